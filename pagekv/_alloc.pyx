@@ -1,0 +1,707 @@
+"""PageAllocator: a fixed pool of page ids with a LIFO free list, a bitmap and reference counts.
+
+This is the mechanism layer of pagekv (DESIGN.md §3). It knows nothing about sequences, tokens or
+hashes; it hands out page ids, counts references and takes pages back.
+
+Why this shape: the design note's allocator scanned the whole pool for the first free page on every
+page (O(pool) per page, hours for a 2,097,152-page request) and kept a Python-visible struct per page.
+Here a stack of free ids gives O(1) take and give, the bitmap answers "is this page free?" in O(1)
+without trusting the stack, and the refcounts are a flat int32 array: 8.125 bytes of bookkeeping per
+page and no Python object per page.
+
+Thread safety: every read and write of the pool happens inside ``cython.critical_section(self)``,
+which is a per-object mutex on free-threaded CPython and a no-op under the GIL. Under the GIL the
+sections are still atomic because they contain only C code: every Python call (argument conversion,
+creating result arrays, raising) happens before or after them, never inside, so no other thread can
+run in the middle and no finalizer can re-enter the allocator.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
+
+import operator
+
+import numpy as np
+
+from pagekv.errors import InvalidPageError, InvariantError, OutOfPagesError, PageStateError
+
+cnp.import_array()
+
+__all__ = ["PageAllocator"]
+
+ctypedef fused index_t:
+    int32_t
+    int64_t
+
+cdef extern from *:
+    int popcount64 "__builtin_popcountll"(unsigned long long) noexcept nogil
+
+# Outcomes of the nogil batch loops; the Python wrappers turn them into exceptions.
+cdef enum Status:
+    OK = 0
+    BAD_ID = 1          # page id outside [0, num_pages)
+    BAD_STATE = 2       # incref/decref of a page with refcount 0
+    OVERFLOW = 3        # incref past INT32_MAX
+    OUT_OF_PAGES = 4
+
+cdef object _EMPTY_PAGES = np.empty(0, dtype=np.int32)
+_EMPTY_PAGES.flags.writeable = False
+
+
+cdef inline bint _bit_is_set(const uint64_t* bitmap, int64_t page) noexcept nogil:
+    return (bitmap[page >> 6] >> (page & 63)) & 1
+
+
+cdef inline void _set_bit(uint64_t* bitmap, int64_t page) noexcept nogil:
+    bitmap[page >> 6] |= (<uint64_t>1) << (page & 63)
+
+
+cdef inline void _clear_bit(uint64_t* bitmap, int64_t page) noexcept nogil:
+    bitmap[page >> 6] &= ~((<uint64_t>1) << (page & 63))
+
+
+cdef inline cnp.ndarray _new_int32(Py_ssize_t n):
+    cdef cnp.npy_intp dims = n
+    return cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT32, 0)
+
+
+cdef int64_t _as_integer(object value, str name) except? -1:
+    """``value`` as a C integer; a bool, float or other non-integer raises TypeError."""
+    cdef int overflow = 0
+    cdef long long result
+    if not PyLong_Check(value) or isinstance(value, bool):
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"expected an integer for {name}, got bool {value!r}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"expected an integer for {name}, got {type(value).__name__} {value!r}"
+            ) from None
+    result = PyLong_AsLongLongAndOverflow(value, &overflow)
+    if overflow:
+        # Beyond 64 bits: clamp so the caller's range check reports it.
+        return INT32_MAX + <int64_t>1 if overflow > 0 else -(INT32_MAX + <int64_t>2)
+    return result
+
+
+cdef cnp.ndarray _as_index_array(object values, str name):
+    """``values`` as a 1-D C-contiguous int32 or int64 ndarray, without a copy where it already is one.
+
+    Accepts any 1-D integer array-like (lists, tuples, numpy arrays of any integer dtype, objects with
+    ``__array__`` such as torch tensors). Floats and bools raise TypeError; other ranks ValueError.
+    """
+    cdef cnp.ndarray fast
+    cdef int type_num
+    if type(values) is np.ndarray:
+        fast = <cnp.ndarray>values
+        type_num = cnp.PyArray_TYPE(fast)
+        if (cnp.PyArray_NDIM(fast) == 1 and (type_num == cnp.NPY_INT32 or type_num == cnp.NPY_INT64)
+                and cnp.PyArray_IS_C_CONTIGUOUS(fast) and cnp.PyArray_ISNOTSWAPPED(fast)):
+            return fast  # the fast path: no conversion, no copy
+    arr = np.asarray(values)
+    if arr.size == 0 and arr.ndim == 1 and not isinstance(values, np.ndarray):
+        return _new_int32(0)  # [] and () arrive as float64
+    if arr.ndim != 1:
+        raise ValueError(f"expected a 1-D array for {name}, got {arr.ndim}-D with shape {arr.shape}")
+    if arr.dtype.kind not in "iu":  # bool is kind "b": rejected too
+        raise TypeError(f"expected an integer dtype for {name}, got {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise InvalidPageError(f"expected {name} below 2**63, got {int(arr.max())}")
+    if arr.dtype == np.int32:
+        return np.ascontiguousarray(arr, dtype=np.dtype("=i4"))  # native byte order
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+cdef inline void* _data(cnp.ndarray arr) noexcept:
+    return cnp.PyArray_DATA(arr)
+
+
+@cython.final
+cdef class PageAllocator:
+    """A fixed pool of ``num_pages`` page ids ``0 .. num_pages-1`` with reference counts.
+
+    Parameters
+    ----------
+    num_pages : int
+        Size of the pool, ``1 <= num_pages <= 2**31 - 1``.
+
+    Notes
+    -----
+    State: a LIFO stack of free page ids (the most recently freed page is handed out first: its memory
+    is the most likely to still be in cache), a bitmap with one bit per page (1 = free), which is the
+    truth for every state check, and an int32 reference count per page.
+
+    Invariants (audited by :meth:`check`):
+
+    - a page is either free (bit 1, refcount 0, on the stack exactly once) or used (bit 0,
+      refcount >= 1, not on the stack);
+    - ``num_free == stack size == popcount(bitmap)``.
+
+    A fresh pool hands out pages in ascending order (0, 1, 2, ...). Every operation costs O(1) per
+    page; only :meth:`check` scans the pool. Every operation is all-or-nothing: one that raises leaves
+    the pool exactly as it was. Safe to share between Python threads.
+
+    Examples
+    --------
+    >>> from pagekv import PageAllocator
+    >>> alloc = PageAllocator(8)
+    >>> pages = alloc.allocate(3)
+    >>> pages
+    array([0, 1, 2], dtype=int32)
+    >>> alloc.incref(pages[:1])              # page 0 is now shared by two holders
+    >>> alloc.decref(pages)                  # pages 1 and 2 return to the pool
+    array([1, 2], dtype=int32)
+    >>> alloc.num_free, alloc.refcount([0]).tolist()
+    (7, [1])
+    """
+
+    cdef int32_t* _stack       # free page ids; _stack[_num_free - 1] is the top
+    cdef int32_t* _refcount    # per page
+    cdef uint64_t* _bitmap     # 1 bit per page, 1 = free; bits past num_pages stay 0
+    cdef int64_t _num_words
+    cdef int32_t _num_pages
+    cdef int32_t _num_free
+
+    def __cinit__(self, num_pages):
+        cdef int64_t n = _as_integer(num_pages, "num_pages")
+        cdef int64_t i
+        if n < 1 or n > INT32_MAX:
+            raise ValueError(f"expected num_pages in [1, 2**31 - 1], got {num_pages!r}")
+        self._num_pages = <int32_t>n
+        self._num_words = (n + 63) // 64
+        self._stack = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        self._refcount = <int32_t*>PyMem_Calloc(n, sizeof(int32_t))
+        self._bitmap = <uint64_t*>PyMem_Calloc(self._num_words, sizeof(uint64_t))
+        if self._stack == NULL or self._refcount == NULL or self._bitmap == NULL:
+            raise MemoryError(f"cannot allocate the bookkeeping of {n} pages ({n * 8.125:.0f} bytes)")
+        with nogil:
+            for i in range(n):
+                self._stack[i] = <int32_t>(n - 1 - i)  # page 0 on top: a fresh pool fills in order
+            for i in range(n // 64):
+                self._bitmap[i] = ~(<uint64_t>0)
+            if n % 64:
+                self._bitmap[n // 64] = ((<uint64_t>1) << (n % 64)) - 1
+        self._num_free = <int32_t>n
+
+    def __dealloc__(self):
+        PyMem_Free(self._stack)
+        PyMem_Free(self._refcount)
+        PyMem_Free(self._bitmap)
+
+    def __repr__(self):
+        return f"PageAllocator(num_pages={self._num_pages}, num_free={self._num_free})"
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_pages(self):
+        """int : Size of the pool."""
+        return self._num_pages
+
+    @property
+    def num_free(self):
+        """int : Pages on the free list."""
+        return self._num_free
+
+    @property
+    def num_used(self):
+        """int : Pages with a refcount of at least 1."""
+        return self._num_pages - self._num_free
+
+    @property
+    def nbytes(self):
+        """int : Bytes of bookkeeping: free stack, refcounts and bitmap (about 8.125 per page)."""
+        return 2 * self._num_pages * sizeof(int32_t) + self._num_words * sizeof(uint64_t)
+
+    def can_allocate(self, n):
+        """Whether ``allocate(n)`` would succeed now.
+
+        Parameters
+        ----------
+        n : int
+            Number of pages, ``n >= 0``.
+
+        Returns
+        -------
+        bool
+        """
+        cdef int64_t k = _as_integer(n, "n")
+        if k < 0:
+            raise ValueError(f"expected n >= 0, got {n!r}")
+        return k <= self._num_free
+
+    def free_pages(self):
+        """The free pages, in the order the next allocations will hand them out. O(num_free).
+
+        Returns
+        -------
+        ndarray of int32, shape (num_free,)
+        """
+        cdef cnp.ndarray out
+        cdef int32_t* dst
+        cdef int64_t i, n
+        cdef bint copied = False
+        while not copied:  # another thread may change num_free between sizing and copying
+            n = self._num_free
+            out = _new_int32(n)
+            dst = <int32_t*>_data(out)
+            with cython.critical_section(self):
+                if n == self._num_free:
+                    for i in range(n):
+                        dst[i] = self._stack[n - 1 - i]
+                    copied = True
+        return out
+
+    def refcount(self, pages):
+        """Reference counts of ``pages``.
+
+        Parameters
+        ----------
+        pages : array_like of int, shape (n,)
+            Page ids.
+
+        Returns
+        -------
+        ndarray of int32, shape (n,)
+            0 for a free page.
+        """
+        cdef cnp.ndarray ids = _as_index_array(pages, "pages")
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(ids)
+        cdef cnp.ndarray out = _new_int32(n)
+        cdef Py_ssize_t bad = 0
+        cdef Status status
+        with cython.critical_section(self):
+            if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
+                status = self._read_refcounts(<int32_t*>_data(ids), n, <int32_t*>_data(out), &bad)
+            else:
+                status = self._read_refcounts(<int64_t*>_data(ids), n, <int32_t*>_data(out), &bad)
+        if status != OK:
+            self._raise_invalid(ids, bad)
+        return out
+
+    def is_free(self, pages):
+        """Whether each of ``pages`` is free (read from the bitmap).
+
+        Parameters
+        ----------
+        pages : array_like of int, shape (n,)
+            Page ids.
+
+        Returns
+        -------
+        ndarray of bool, shape (n,)
+        """
+        cdef cnp.ndarray ids = _as_index_array(pages, "pages")
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(ids)
+        cdef cnp.ndarray out = np.empty(n, dtype=np.bool_)
+        cdef Py_ssize_t bad = 0
+        cdef Status status
+        with cython.critical_section(self):
+            if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
+                status = self._read_bits(<int32_t*>_data(ids), n, <cnp.npy_bool*>_data(out), &bad)
+            else:
+                status = self._read_bits(<int64_t*>_data(ids), n, <cnp.npy_bool*>_data(out), &bad)
+        if status != OK:
+            self._raise_invalid(ids, bad)
+        return out
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, n):
+        """Take ``n`` distinct free pages, each with refcount 1.
+
+        Parameters
+        ----------
+        n : int
+            Number of pages, ``n >= 1``.
+
+        Returns
+        -------
+        ndarray of int32, shape (n,)
+            The pages, most recently freed first.
+
+        Raises
+        ------
+        OutOfPagesError
+            Fewer than ``n`` pages are free; nothing was taken.
+        """
+        cdef int64_t k = _as_integer(n, "n")
+        cdef int32_t available
+        cdef bint ok
+        if k < 1:
+            raise ValueError(f"expected n >= 1, got {n!r}")
+        if k > self._num_pages:
+            raise OutOfPagesError(k, self._num_free)
+        cdef cnp.ndarray out = _new_int32(k)
+        with cython.critical_section(self):
+            ok = self._pop(<int32_t*>_data(out), k)
+            available = self._num_free
+        if not ok:
+            raise OutOfPagesError(k, available)
+        return out
+
+    def allocate_one(self):
+        """Take one free page with refcount 1: the single-page fast path of :meth:`allocate`.
+
+        Returns
+        -------
+        int
+            The page id.
+
+        Raises
+        ------
+        OutOfPagesError
+            No page is free.
+        """
+        cdef int32_t page
+        cdef bint ok
+        with cython.critical_section(self):
+            ok = self._pop(&page, 1)
+        if not ok:
+            raise OutOfPagesError(1, 0)
+        return page
+
+    def allocate_many(self, counts):
+        """Take ``counts[i]`` pages for each request ``i`` in one all-or-nothing call.
+
+        Parameters
+        ----------
+        counts : array_like of int, shape (num_requests,)
+            Pages wanted by each request, each ``>= 0``.
+
+        Returns
+        -------
+        pages : ndarray of int32, shape (sum(counts),)
+            All pages; request ``i`` owns ``pages[indptr[i]:indptr[i + 1]]``.
+        indptr : ndarray of int32, shape (num_requests + 1,)
+            CSR offsets into ``pages``.
+
+        Raises
+        ------
+        OutOfPagesError
+            The requests need more pages than are free; nothing was taken.
+
+        Examples
+        --------
+        >>> from pagekv import PageAllocator
+        >>> pages, indptr = PageAllocator(16).allocate_many([2, 0, 3])
+        >>> pages.tolist(), indptr.tolist()
+        ([0, 1, 2, 3, 4], [0, 2, 2, 5])
+        """
+        cdef cnp.ndarray wanted = _as_index_array(counts, "counts")
+        cdef Py_ssize_t m = cnp.PyArray_SIZE(wanted)
+        cdef cnp.ndarray indptr = _new_int32(m + 1)
+        cdef int64_t total
+        cdef Py_ssize_t bad = 0
+        cdef int32_t available
+        cdef bint ok
+        if cnp.PyArray_TYPE(wanted) == cnp.NPY_INT32:
+            total = _prefix_sum(<int32_t*>_data(wanted), m, self._num_pages,
+                                <int32_t*>_data(indptr), &bad)
+        else:
+            total = _prefix_sum(<int64_t*>_data(wanted), m, self._num_pages,
+                                <int32_t*>_data(indptr), &bad)
+        if total == -1:
+            raise ValueError(f"expected counts >= 0, got {int(wanted[bad])} at index {bad}")
+        if total > self._num_pages:
+            raise OutOfPagesError(total, self._num_free)
+        cdef cnp.ndarray out = _new_int32(total)
+        with cython.critical_section(self):
+            ok = self._pop(<int32_t*>_data(out), total)
+            available = self._num_free
+        if not ok:
+            raise OutOfPagesError(total, available)
+        return out, indptr
+
+    # ------------------------------------------------------------------ reference counts
+    def incref(self, pages):
+        """Add one reference to each of ``pages`` (a page listed twice gets two).
+
+        Parameters
+        ----------
+        pages : array_like of int, shape (n,)
+            Pages in use.
+
+        Raises
+        ------
+        InvalidPageError
+            A page id outside ``[0, num_pages)``.
+        PageStateError
+            A page is free, or its refcount would pass 2**31 - 1.
+        """
+        cdef cnp.ndarray ids = _as_index_array(pages, "pages")
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(ids)
+        cdef Py_ssize_t bad = 0
+        cdef Status status
+        with cython.critical_section(self):
+            if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
+                status = self._incref(<int32_t*>_data(ids), n, &bad)
+            else:
+                status = self._incref(<int64_t*>_data(ids), n, &bad)
+        if status != OK:
+            self._raise_batch_error(status, ids, bad, "incref")
+
+    def incref_one(self, page):
+        """Add one reference to ``page``: the single-page fast path of :meth:`incref`."""
+        cdef int64_t p = self._as_page(page)
+        cdef Py_ssize_t bad = 0
+        cdef Status status
+        with cython.critical_section(self):
+            status = self._incref(<int64_t*>&p, 1, &bad)
+        if status != OK:
+            self._raise_batch_error(status, np.array([p]), 0, "incref")
+
+    def decref(self, pages):
+        """Drop one reference from each of ``pages``; pages that reach 0 return to the pool.
+
+        Parameters
+        ----------
+        pages : array_like of int, shape (n,)
+            Pages in use; a page may repeat as often as its refcount allows.
+
+        Returns
+        -------
+        ndarray of int32, shape (k,)
+            The pages that reached refcount 0, in the order they did; the last one is handed out
+            first by the next allocation.
+
+        Raises
+        ------
+        InvalidPageError
+            A page id outside ``[0, num_pages)``.
+        PageStateError
+            A page is free (a double free), or is listed more times than its refcount.
+        """
+        cdef cnp.ndarray ids = _as_index_array(pages, "pages")
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(ids)
+        cdef cnp.ndarray freed = _new_int32(n)
+        cdef Py_ssize_t bad = 0, num_freed = 0
+        cdef Status status
+        with cython.critical_section(self):
+            if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
+                status = self._decref(<int32_t*>_data(ids), n, <int32_t*>_data(freed),
+                                      &num_freed, &bad)
+            else:
+                status = self._decref(<int64_t*>_data(ids), n, <int32_t*>_data(freed),
+                                      &num_freed, &bad)
+        if status != OK:
+            self._raise_batch_error(status, ids, bad, "decref")
+        if num_freed == n:
+            return freed
+        if num_freed == 0:
+            return _EMPTY_PAGES
+        return freed[:num_freed]
+
+    def decref_one(self, page):
+        """Drop one reference from ``page``: the single-page fast path of :meth:`decref`.
+
+        Returns
+        -------
+        bool
+            Whether the page reached refcount 0 and returned to the pool.
+        """
+        cdef int64_t p = self._as_page(page)
+        cdef int32_t freed_page
+        cdef Py_ssize_t bad = 0, num_freed = 0
+        cdef Status status
+        with cython.critical_section(self):
+            status = self._decref(<int64_t*>&p, 1, &freed_page, &num_freed, &bad)
+        if status != OK:
+            self._raise_batch_error(status, np.array([p]), 0, "decref")
+        return num_freed == 1
+
+    # ------------------------------------------------------------------ audit
+    def check(self):
+        """Audit every invariant in O(num_pages); raise :class:`InvariantError` on the first violation.
+
+        Checks that the free stack holds ``num_free`` distinct in-range pages whose bits are set and
+        whose refcounts are 0, that every other page has its bit clear and a refcount >= 1, and that
+        the bitmap's popcount equals ``num_free`` (with no bits set past ``num_pages``).
+        """
+        cdef uint64_t* seen = <uint64_t*>PyMem_Calloc(self._num_words, sizeof(uint64_t))
+        cdef int64_t problem = 0, where = 0
+        if seen == NULL:
+            raise MemoryError("cannot allocate the audit's scratch bitmap")
+        try:
+            with cython.critical_section(self):
+                problem = self._audit(seen, &where)
+        finally:
+            PyMem_Free(seen)
+        if problem:
+            raise InvariantError(_AUDIT_MESSAGES[problem].format(where=where, self=self))
+
+    def _unsafe_set_refcount(self, page, value):
+        """Overwrite one refcount, bypassing every rule. A testing hook that breaks invariants on
+        purpose, so tests can prove that :meth:`check` notices; never call it otherwise."""
+        cdef int64_t p = self._as_page(page)
+        self._refcount[p] = <int32_t>_as_integer(value, "value")
+
+    # ------------------------------------------------------------------ nogil cores
+    cdef bint _pop(self, int32_t* out, int64_t n) noexcept nogil:
+        """Move the top ``n`` pages of the free stack to ``out`` with refcount 1, or do nothing."""
+        cdef int64_t i
+        cdef int32_t page
+        if n > self._num_free:
+            return False
+        for i in range(n):
+            page = self._stack[self._num_free - 1 - i]
+            out[i] = page
+            _clear_bit(self._bitmap, page)
+            self._refcount[page] = 1
+        self._num_free -= <int32_t>n
+        return True
+
+    cdef Status _incref(self, const index_t* pages, Py_ssize_t n, Py_ssize_t* bad) noexcept nogil:
+        cdef Py_ssize_t i, j
+        cdef index_t page
+        cdef Status status = OK
+        for i in range(n):
+            page = pages[i]
+            if page < 0 or page >= self._num_pages:
+                status = BAD_ID
+            elif self._refcount[page] == 0:
+                status = BAD_STATE
+            elif self._refcount[page] == INT32_MAX:
+                status = OVERFLOW
+            else:
+                self._refcount[page] += 1
+                continue
+            for j in range(i):  # undo: the batch is all-or-nothing
+                self._refcount[pages[j]] -= 1
+            bad[0] = i
+            return status
+        return OK
+
+    cdef Status _decref(self, const index_t* pages, Py_ssize_t n, int32_t* freed,
+                        Py_ssize_t* num_freed, Py_ssize_t* bad) noexcept nogil:
+        # Two passes: decrement everything (undoing on the first bad element), and only then release
+        # the pages that reached 0, so that a failed batch never touches the stack or the bitmap.
+        cdef Py_ssize_t i, j, k = 0
+        cdef index_t page
+        for i in range(n):
+            page = pages[i]
+            if page < 0 or page >= self._num_pages or self._refcount[page] == 0:
+                for j in range(i):
+                    self._refcount[pages[j]] += 1
+                bad[0] = i
+                return BAD_ID if (page < 0 or page >= self._num_pages) else BAD_STATE
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                freed[k] = <int32_t>page
+                k += 1
+        for j in range(k):
+            self._stack[self._num_free] = freed[j]
+            self._num_free += 1
+            _set_bit(self._bitmap, freed[j])
+        num_freed[0] = k
+        return OK
+
+    cdef Status _read_refcounts(self, const index_t* pages, Py_ssize_t n, int32_t* out,
+                                Py_ssize_t* bad) noexcept nogil:
+        cdef Py_ssize_t i
+        for i in range(n):
+            if pages[i] < 0 or pages[i] >= self._num_pages:
+                bad[0] = i
+                return BAD_ID
+            out[i] = self._refcount[pages[i]]
+        return OK
+
+    cdef Status _read_bits(self, const index_t* pages, Py_ssize_t n, cnp.npy_bool* out,
+                           Py_ssize_t* bad) noexcept nogil:
+        cdef Py_ssize_t i
+        for i in range(n):
+            if pages[i] < 0 or pages[i] >= self._num_pages:
+                bad[0] = i
+                return BAD_ID
+            out[i] = _bit_is_set(self._bitmap, pages[i])
+        return OK
+
+    cdef int64_t _audit(self, uint64_t* seen, int64_t* where) noexcept nogil:
+        cdef int64_t i, page, popcount = 0
+        if self._num_free < 0 or self._num_free > self._num_pages:
+            where[0] = self._num_free
+            return 1
+        for i in range(self._num_free):
+            page = self._stack[i]
+            where[0] = page
+            if page < 0 or page >= self._num_pages:
+                return 2
+            if _bit_is_set(seen, page):
+                return 3
+            _set_bit(seen, page)
+            if not _bit_is_set(self._bitmap, page):
+                return 4
+            if self._refcount[page] != 0:
+                return 5
+        for page in range(self._num_pages):
+            where[0] = page
+            if _bit_is_set(self._bitmap, page) and not _bit_is_set(seen, page):
+                return 6
+            if not _bit_is_set(self._bitmap, page) and self._refcount[page] < 1:
+                return 7
+        for i in range(self._num_words):
+            popcount += popcount64(self._bitmap[i])
+        where[0] = popcount
+        if popcount != self._num_free:
+            return 8
+        return 0
+
+    # ------------------------------------------------------------------ error reporting
+    cdef int64_t _as_page(self, object page) except? -1:
+        cdef int64_t p = _as_integer(page, "page")
+        if p < 0 or p >= self._num_pages:
+            raise InvalidPageError(f"expected a page id in [0, {self._num_pages}), got {page!r}")
+        return p
+
+    cdef void _raise_invalid(self, cnp.ndarray ids, Py_ssize_t bad) except *:
+        raise InvalidPageError(
+            f"expected page ids in [0, {self._num_pages}), got {int(ids[bad])} at index {bad}"
+        )
+
+    cdef void _raise_batch_error(self, Status status, cnp.ndarray ids, Py_ssize_t bad,
+                                 str op) except *:
+        if status == BAD_ID:
+            self._raise_invalid(ids, bad)
+        page = int(ids[bad])
+        if status == OVERFLOW:
+            raise PageStateError(f"expected a refcount below 2**31 - 1 for page {page}, "
+                                 f"got an incref past it at index {bad}")
+        if op == "incref":
+            raise PageStateError(f"expected pages in use, got free page {page} at index {bad} "
+                                 f"(incref of a free page)")
+        if _bit_is_set(self._bitmap, page):
+            raise PageStateError(f"expected pages in use, got free page {page} at index {bad} "
+                                 f"(double free)")
+        raise PageStateError(f"expected at most {self._refcount[page]} decrefs of page {page} "
+                             f"(its refcount), got more: the extra one is at index {bad}")
+
+
+cdef int64_t _prefix_sum(const index_t* counts, Py_ssize_t m, int64_t limit, int32_t* indptr,
+                         Py_ssize_t* bad) noexcept nogil:
+    """Fill ``indptr`` with the running sums of ``counts``; return the total, ``limit + 1`` once it
+    passes ``limit`` (the offsets then stop mattering), or -1 for a negative count (index in bad)."""
+    cdef Py_ssize_t i
+    cdef int64_t total = 0
+    indptr[0] = 0
+    for i in range(m):
+        if counts[i] < 0:
+            bad[0] = i
+            return -1
+        if total <= limit:  # saturate at limit + 1: no overflow, however large the counts
+            total = total + counts[i] if counts[i] <= limit - total else limit + 1
+        indptr[i + 1] = <int32_t>total if total <= limit else 0
+    return total
+
+
+_AUDIT_MESSAGES = {
+    1: "num_free is {where}, outside [0, num_pages]",
+    2: "free stack holds page id {where}, outside the pool",
+    3: "page {where} is on the free stack twice",
+    4: "page {where} is on the free stack but its bitmap bit says used",
+    5: "page {where} is on the free stack with a nonzero refcount",
+    6: "page {where} has its bitmap bit set (free) but is not on the free stack",
+    7: "page {where} is used (bitmap bit clear) with a refcount below 1",
+    8: "bitmap popcount is {where}, expected num_free = {self.num_free}",
+}

@@ -1,0 +1,25 @@
+"""Test configuration: import guard and Hypothesis profiles."""
+
+import os
+import pathlib
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import pagekv
+
+_SOURCE_TREE = pathlib.Path(__file__).resolve().parents[1]
+
+# Tests must exercise what `pip install` produced (compiled extension, pagekv.kernels mapped from
+# kernels/), never the source folder by accident.
+if pathlib.Path(pagekv.__file__).resolve().is_relative_to(_SOURCE_TREE):
+    pytest.exit(
+        f"expected pagekv imported from an installed copy, got {pagekv.__file__}: "
+        "run `pip install .[test]` and `pytest` (not `python -m pytest`) from the repository",
+        returncode=4,
+    )
+
+settings.register_profile("default", deadline=None, max_examples=100,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))

@@ -1,0 +1,49 @@
+"""The installed package: compiled extension, stubs, typed marker, subpackage mapping, doctests."""
+
+import doctest
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import pagekv
+import pagekv._alloc
+
+PACKAGE_DIR = pathlib.Path(pagekv.__file__).parent
+
+
+def test_extension_is_compiled():
+    assert pathlib.Path(pagekv._alloc.__file__).suffix in {".so", ".pyd"}
+
+
+def test_stub_and_typed_marker_are_installed():
+    assert (PACKAGE_DIR / "_alloc.pyi").is_file()
+    assert (PACKAGE_DIR / "py.typed").is_file()
+
+
+def test_stub_matches_the_compiled_module():
+    result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "pagekv._alloc"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_kernels_folder_is_installed_as_pagekv_kernels():
+    kernels = importlib.import_module("pagekv.kernels")
+    assert pathlib.Path(kernels.__file__).parent == PACKAGE_DIR / "kernels"
+
+
+@pytest.mark.parametrize("module", ["pagekv._alloc"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_public_api():
+    for name in pagekv.__all__:
+        assert getattr(pagekv, name) is not None
+    assert issubclass(pagekv.OutOfPagesError, MemoryError)
+    assert issubclass(pagekv.InvalidPageError, IndexError)
+    assert issubclass(pagekv.PageStateError, ValueError)
+    assert issubclass(pagekv.UnknownSequenceError, KeyError)
