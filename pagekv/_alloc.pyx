@@ -21,6 +21,7 @@ cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
+from libc.string cimport memcpy
 
 import operator
 
@@ -96,7 +97,7 @@ cdef cnp.ndarray _as_index_array(object values, str name):
     """
     cdef cnp.ndarray fast
     cdef int type_num
-    if type(values) is np.ndarray:
+    if type(values) is cnp.ndarray:  # the C type: no module attribute lookup on the hot path
         fast = <cnp.ndarray>values
         type_num = cnp.PyArray_TYPE(fast)
         if (cnp.PyArray_NDIM(fast) == 1 and (type_num == cnp.NPY_INT32 or type_num == cnp.NPY_INT64)
@@ -465,7 +466,9 @@ cdef class PageAllocator:
         -------
         ndarray of int32, shape (k,)
             The pages that reached refcount 0, in the order they did; the last one is handed out
-            first by the next allocation.
+            first by the next allocation. When every page of an int32 ndarray ``pages`` reached 0,
+            this is ``pages`` itself (the same values in the same order; no copy is made); when
+            none did, it is a shared read-only empty array.
 
         Raises
         ------
@@ -476,23 +479,33 @@ cdef class PageAllocator:
         """
         cdef cnp.ndarray ids = _as_index_array(pages, "pages")
         cdef Py_ssize_t n = cnp.PyArray_SIZE(ids)
-        cdef cnp.ndarray freed = _new_int32(n)
         cdef Py_ssize_t bad = 0, num_freed = 0
         cdef Status status
-        with cython.critical_section(self):
-            if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
-                status = self._decref(<int32_t*>_data(ids), n, <int32_t*>_data(freed),
-                                      &num_freed, &bad)
-            else:
-                status = self._decref(<int64_t*>_data(ids), n, <int32_t*>_data(freed),
-                                      &num_freed, &bad)
-        if status != OK:
-            self._raise_batch_error(status, ids, bad, "decref")
-        if num_freed == n:
+        cdef int32_t small[64]  # freed pages of a small batch: no heap allocation on the fast path
+        cdef int32_t* scratch = small
+        if n > 64:
+            scratch = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+            if scratch == NULL:
+                raise MemoryError(f"cannot allocate scratch space for {n} pages")
+        try:
+            with cython.critical_section(self):
+                if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
+                    status = self._decref(<int32_t*>_data(ids), n, scratch, &num_freed, &bad)
+                else:
+                    status = self._decref(<int64_t*>_data(ids), n, scratch, &num_freed, &bad)
+            if status != OK:
+                self._raise_batch_error(status, ids, bad, "decref")
+            if num_freed == 0:
+                return _EMPTY_PAGES
+            if num_freed == n and ids is pages and cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
+                # Every page reached 0, so the freed pages are `pages`, element for element.
+                return pages
+            freed = _new_int32(num_freed)
+            memcpy(_data(freed), scratch, num_freed * sizeof(int32_t))
             return freed
-        if num_freed == 0:
-            return _EMPTY_PAGES
-        return freed[:num_freed]
+        finally:
+            if scratch != small:
+                PyMem_Free(scratch)
 
     def decref_one(self, page):
         """Drop one reference from ``page``: the single-page fast path of :meth:`decref`.

@@ -73,6 +73,23 @@ def test_decref_returns_only_pages_that_reached_zero():
     assert alloc.num_free == 8
 
 
+def test_decref_of_an_int32_batch_freed_whole_returns_it_without_copy():
+    alloc = PageAllocator(300)
+    for n in (16, 200):  # small batches use a stack buffer, large ones the heap
+        pages = alloc.allocate(n)
+        assert alloc.decref(pages) is pages
+        as_list = alloc.allocate(n).tolist()
+        freed = alloc.decref(as_list)
+        assert freed.dtype == np.int32 and freed.tolist() == as_list
+    shared = alloc.allocate(3)
+    alloc.incref(shared[:1])
+    freed = alloc.decref(shared)
+    assert freed is not shared and freed.tolist() == shared[1:].tolist()
+    alloc.incref(shared[:1])
+    empty = alloc.decref(shared[:1])  # refcount 2 -> 1: nothing freed
+    assert empty.tolist() == [] and not empty.flags.writeable
+
+
 def test_repeats_in_one_batch_are_legal_where_counts_allow():
     alloc = PageAllocator(4)
     page = alloc.allocate_one()
