@@ -554,15 +554,20 @@ cdef class PageAllocator:
     # ------------------------------------------------------------------ nogil cores
     cdef bint _pop(self, int32_t* out, int64_t n) noexcept nogil:
         """Move the top ``n`` pages of the free stack to ``out`` with refcount 1, or do nothing."""
+        # Locals, not self->fields: the stores below go through int32 pointers that C must assume
+        # may alias the fields, which would force a reload of every field on every page.
+        cdef const int32_t* top = self._stack + self._num_free - 1
+        cdef int32_t* refcount = self._refcount
+        cdef uint64_t* bitmap = self._bitmap
         cdef int64_t i
         cdef int32_t page
         if n > self._num_free:
             return False
         for i in range(n):
-            page = self._stack[self._num_free - 1 - i]
+            page = top[-i]
             out[i] = page
-            _clear_bit(self._bitmap, page)
-            self._refcount[page] = 1
+            _clear_bit(bitmap, page)
+            refcount[page] = 1
         self._num_free -= <int32_t>n
         return True
 
@@ -591,23 +596,27 @@ cdef class PageAllocator:
                         Py_ssize_t* num_freed, Py_ssize_t* bad) noexcept nogil:
         # Two passes: decrement everything (undoing on the first bad element), and only then release
         # the pages that reached 0, so that a failed batch never touches the stack or the bitmap.
+        cdef int32_t* refcount = self._refcount  # locals: see _pop
+        cdef uint64_t* bitmap = self._bitmap
+        cdef int32_t* stack = self._stack + self._num_free
+        cdef int64_t num_pages = self._num_pages
         cdef Py_ssize_t i, j, k = 0
         cdef index_t page
         for i in range(n):
             page = pages[i]
-            if page < 0 or page >= self._num_pages or self._refcount[page] == 0:
+            if page < 0 or page >= num_pages or refcount[page] == 0:
                 for j in range(i):
-                    self._refcount[pages[j]] += 1
+                    refcount[pages[j]] += 1
                 bad[0] = i
-                return BAD_ID if (page < 0 or page >= self._num_pages) else BAD_STATE
-            self._refcount[page] -= 1
-            if self._refcount[page] == 0:
+                return BAD_ID if (page < 0 or page >= num_pages) else BAD_STATE
+            refcount[page] -= 1
+            if refcount[page] == 0:
                 freed[k] = <int32_t>page
                 k += 1
         for j in range(k):
-            self._stack[self._num_free] = freed[j]
-            self._num_free += 1
-            _set_bit(self._bitmap, freed[j])
+            stack[j] = freed[j]
+            _set_bit(bitmap, freed[j])
+        self._num_free += <int32_t>k
         num_freed[0] = k
         return OK
 
