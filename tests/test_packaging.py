@@ -47,3 +47,9 @@ def test_public_api():
     assert issubclass(pagekv.InvalidPageError, IndexError)
     assert issubclass(pagekv.PageStateError, ValueError)
     assert issubclass(pagekv.UnknownSequenceError, KeyError)
+
+
+def test_readme_examples_run():
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    result = doctest.testfile(str(readme), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
