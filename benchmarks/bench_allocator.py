@@ -96,7 +96,8 @@ def test_bookkeeping_bytes_per_page(benchmark, name, pool):
     benchmark.group = "bookkeeping bytes per page"
 
     def measure():
-        return int(subprocess.run([sys.executable, "-c", code], check=True,
+        # -I: the working directory (the repository) must not shadow the installed package.
+        return int(subprocess.run([sys.executable, "-I", "-c", code], check=True,
                                   capture_output=True, text=True).stdout)
 
     rss = benchmark.pedantic(measure, rounds=1, iterations=1)

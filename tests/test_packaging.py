@@ -24,7 +24,8 @@ def test_stub_and_typed_marker_are_installed():
 
 
 def test_stub_matches_the_compiled_module():
-    result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "pagekv._alloc"],
+    # -I: the repository folder (the working directory) must not shadow the installed package.
+    result = subprocess.run([sys.executable, "-I", "-m", "mypy.stubtest", "pagekv._alloc"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
