@@ -43,6 +43,10 @@ def plan_decode(seq_lens, page_size, num_kv_heads, window, num_slots, min_chunk)
         first[s] = max(seq_lens[s] - window, 0) // page_size if window > 0 else 0
         first[s] = min(first[s], last[s])
         total += (last[s] - first[s] + ITEM_OVERHEAD) * num_kv_heads
+    total += (num_slots - 1) * ITEM_OVERHEAD  # each cut between slots may add one piece
+    # Each slot's quota is what is left divided by the slots left, so a slot that closes a little
+    # early (rather than cut a sliver) pushes its shortfall onto all later slots, not the last one.
+    consumed = 0
     quota = max(min_chunk + ITEM_OVERHEAD, (total + num_slots - 1) // num_slots)
 
     items = np.empty((num_seqs * num_kv_heads + 2 * num_slots, 5), np.int32)
@@ -62,6 +66,8 @@ def plan_decode(seq_lens, page_size, num_kv_heads, window, num_slots, min_chunk)
                 elif room < min_chunk:
                     slot += 1  # this slot is full: start the next one
                     fill = 0
+                    quota = max(min_chunk + ITEM_OVERHEAD,
+                                (total - consumed + num_slots - slot - 1) // (num_slots - slot))
                     continue
                 else:
                     take = room if remaining - room >= min_chunk else remaining
@@ -73,10 +79,13 @@ def plan_decode(seq_lens, page_size, num_kv_heads, window, num_slots, min_chunk)
                 slot_of[num_items] = slot
                 num_items += 1
                 fill += take + ITEM_OVERHEAD
+                consumed += take + ITEM_OVERHEAD
                 begin += take
                 if fill >= quota and slot < num_slots - 1:
                     slot += 1
                     fill = 0
+                    quota = max(min_chunk + ITEM_OVERHEAD,
+                                (total - consumed + num_slots - slot - 1) // (num_slots - slot))
                 if begin >= end:
                     break
             if num_items - pair_start > 1:

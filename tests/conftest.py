@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -18,6 +19,9 @@ if pathlib.Path(pagekv.__file__).resolve().is_relative_to(_SOURCE_TREE):
         "run `pip install .[test]` and `pytest` (not `python -m pytest`) from the repository",
         returncode=4,
     )
+
+# Test helpers (kv_builders.py) import by name; only this folder joins sys.path, not the repository.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 settings.register_profile("default", deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow])

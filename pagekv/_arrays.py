@@ -1,0 +1,103 @@
+"""Arrays at the public boundary: numpy and torch CPU tensors in, zero-copy storage views out.
+
+Kernels see three storage kinds: float32 arrays, and uint16 arrays holding float16 or bfloat16 bit
+patterns (Numba takes no float16 array and has no bfloat16). This module maps what callers hold onto
+those views without copying, and converts the small per-call arrays (queries, outputs) between
+float32 and the 16-bit kinds.
+
+Accepted storage:
+- numpy float32, float16; ``ml_dtypes.bfloat16``; uint16 (read as bfloat16 bit patterns, so
+  numpy-only users can keep bfloat16 caches);
+- torch CPU tensors of float32, float16, bfloat16 (through ``Tensor.numpy()`` on a 16-bit view).
+"""
+
+import numpy as np
+
+KINDS = ("float32", "float16", "bfloat16")
+KV_FORMAT = {"float32": 0, "float16": 1, "bfloat16": 2}  # codes of kernels/_dtypes.py
+
+
+def is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def float_storage(x, name):
+    """A zero-copy numpy view of float data and its logical kind.
+
+    Returns
+    -------
+    array : ndarray of float32 or uint16
+    kind : {"float32", "float16", "bfloat16"}
+    """
+    if is_torch(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise ValueError(f"expected a CPU tensor for {name}, got device {x.device}")
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        if x.dtype not in (torch.float32, torch.float16):
+            raise TypeError(f"expected float32, float16 or bfloat16 for {name}, got {x.dtype}")
+        array = x.numpy()
+    else:
+        array = np.asarray(x)
+    if array.dtype == np.float32:
+        return array, "float32"
+    if array.dtype == np.float16:
+        return array.view(np.uint16), "float16"
+    if array.dtype.name == "bfloat16" or array.dtype == np.uint16:
+        return array.view(np.uint16), "bfloat16"
+    raise TypeError(
+        f"expected float32, float16 or bfloat16 (or uint16 bfloat16 bits) for {name}, got {array.dtype}"
+    )
+
+
+def int_array(x, name, ndim):
+    """An int32 numpy array (zero-copy when it already is one) of ``ndim`` dimensions."""
+    array = x.detach().numpy() if is_torch(x) else np.asarray(x)
+    if array.ndim != ndim:
+        raise ValueError(f"expected a {ndim}-D array for {name}, got {array.ndim}-D with shape {array.shape}")
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"expected an integer dtype for {name}, got {array.dtype}")
+    if array.dtype != np.int32:
+        if array.size and (array.max() > np.iinfo(np.int32).max or array.min() < np.iinfo(np.int32).min):
+            raise ValueError(f"expected {name} values within int32, got {array.min()}..{array.max()}")
+        array = array.astype(np.int32)
+    return np.ascontiguousarray(array)
+
+
+def to_float32(array, kind):
+    """float32 values of a storage array (a copy unless it is float32 already)."""
+    if kind == "float32":
+        return array
+    if kind == "float16":
+        return array.view(np.float16).astype(np.float32)
+    return (array.astype(np.uint32) << 16).view(np.float32)
+
+
+def from_float32(values, kind, out):
+    """Store float32 ``values`` into the storage array ``out`` of ``kind`` (round to nearest even)."""
+    if kind == "float32":
+        out[...] = values
+    elif kind == "float16":
+        out.view(np.float16)[...] = values
+    else:
+        bits = values.view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        out[...] = np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+
+
+def new_like(x, kind, shape):
+    """A new array of the caller's kind (torch tensor or numpy) and ``kind``, with its storage view."""
+    if is_torch(x):
+        import torch
+
+        tensor = torch.empty(shape, dtype=x.dtype)
+        return tensor, float_storage(tensor, "out")[0]
+    if kind == "float32":
+        array = np.empty(shape, np.float32)
+        return array, array
+    dtype = np.float16 if kind == "float16" else np.asarray(x).dtype
+    array = np.empty(shape, dtype)
+    return array, array.view(np.uint16)

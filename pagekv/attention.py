@@ -1,0 +1,426 @@
+"""Paged attention and KV-cache operations: the public, validating face of ``pagekv.kernels``.
+
+Every function here checks shapes, dtypes, contiguity and page ids and raises "expected X, got Y"
+errors, then calls a Numba kernel that trusts its input. Caches use the layout of docs/layout.md:
+``k_cache``, ``v_cache`` each ``[num_pages, num_kv_heads, page_size, head_dim]`` (one layer),
+C-contiguous, float32, float16 or bfloat16 (numpy, ``ml_dtypes.bfloat16``, uint16 bfloat16 bits, or
+torch CPU tensors — never copied). Accumulation is float32; outputs have the query's dtype.
+The log-sum-exp values (``return_lse``, ``merge_states``) use the natural logarithm.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from pagekv import _arrays
+from pagekv.errors import InvalidPageError
+from pagekv.kernels import attention as _attention
+from pagekv.kernels import cache_ops as _cache_ops
+from pagekv.kernels import plan as _plan
+from pagekv.kernels import validate as _validate
+
+__all__ = [
+    "DecodePlan",
+    "plan_decode",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "write_kv",
+    "copy_pages",
+    "gather_kv",
+    "merge_states",
+]
+
+MIN_SPLIT_TOKENS = 256  # a split piece of a long sequence covers at least this many tokens
+
+
+# ---------------------------------------------------------------------------------------- checks
+def _caches(k_cache, v_cache):
+    k, kind = _arrays.float_storage(k_cache, "k_cache")
+    v, v_kind = _arrays.float_storage(v_cache, "v_cache")
+    if k.ndim != 4:
+        raise ValueError("expected k_cache of shape [num_pages, num_kv_heads, page_size, head_dim], "
+                         f"got {k.ndim}-D shape {k.shape}")
+    if v.shape != k.shape or v_kind != kind:
+        raise ValueError(f"expected v_cache like k_cache ({kind} {k.shape}), got {v_kind} {v.shape}")
+    for name, array in (("k_cache", k), ("v_cache", v)):
+        if not array.flags.c_contiguous:
+            raise ValueError(f"expected a C-contiguous {name}, got strides {array.strides}")
+    return k, v, kind
+
+
+def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slopes, num_q_heads):
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"expected a finite scale, got {scale}")
+    if sliding_window is None:
+        window = 0
+    elif isinstance(sliding_window, (bool, float)) or int(sliding_window) < 1:
+        raise ValueError(f"expected sliding_window None or an integer >= 1, got {sliding_window!r}")
+    else:
+        window = int(sliding_window)
+    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+    if logits_soft_cap is not None and not (cap > 0.0 and math.isfinite(cap)):
+        raise ValueError(f"expected logits_soft_cap None or > 0, got {logits_soft_cap!r}")
+    if alibi_slopes is None:
+        slopes = np.empty(0, np.float32)
+    else:
+        array, kind = _arrays.float_storage(alibi_slopes, "alibi_slopes")
+        slopes = np.ascontiguousarray(_arrays.to_float32(array, kind), dtype=np.float32)
+        if slopes.shape != (num_q_heads,):
+            raise ValueError(f"expected alibi_slopes of shape ({num_q_heads},), got {slopes.shape}")
+    return np.float32(scale), window, np.float32(cap), slopes
+
+
+def _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages):
+    table = _arrays.int_array(block_table, "block_table", 2)
+    lens = _arrays.int_array(seq_lens, "seq_lens", 1)
+    if table.shape[0] != num_seqs or lens.shape[0] != num_seqs:
+        raise ValueError(f"expected block_table and seq_lens for {num_seqs} sequences, "
+                         f"got {table.shape[0]} and {lens.shape[0]}")
+    if num_seqs and lens.min() < 0:
+        raise ValueError(f"expected seq_lens >= 0, got {lens.min()}")
+    capacity = table.shape[1] * page_size
+    if num_seqs and lens.max() > capacity:
+        s = int(lens.argmax())
+        raise ValueError(f"expected seq_lens <= {capacity} (block_table holds {table.shape[1]} pages of "
+                         f"{page_size}), got {lens[s]} for sequence {s}")
+    bad = _validate.first_bad_page(table, lens, page_size, num_pages)
+    if bad[0] >= 0:
+        s, p = bad
+        raise InvalidPageError(f"expected page ids in [0, {num_pages}), got {table[s, p]} "
+                               f"at block_table[{s}, {p}]")
+    return table, lens
+
+
+def _query(q, name, num_kv_heads, head_dim):
+    array, kind = _arrays.float_storage(q, name)
+    if array.ndim != 3:
+        raise ValueError(f"expected {name} of shape [num_tokens, num_q_heads, head_dim], "
+                         f"got {array.ndim}-D shape {array.shape}")
+    if array.shape[2] != head_dim:
+        raise ValueError(f"expected {name} head_dim {head_dim} (the cache's), got {array.shape[2]}")
+    if array.shape[1] % num_kv_heads:
+        raise ValueError(f"expected num_q_heads a multiple of num_kv_heads {num_kv_heads}, "
+                         f"got {array.shape[1]}")
+    return np.ascontiguousarray(_arrays.to_float32(array, kind), dtype=np.float32), kind
+
+
+def _output(q, kind, shape, out):
+    """The caller's out (checked), or a new array like q; plus a float32 buffer the kernel writes."""
+    if out is None:
+        result, storage = _arrays.new_like(q, kind, shape)
+    else:
+        storage, out_kind = _arrays.float_storage(out, "out")
+        if storage.shape != shape or out_kind != kind:
+            raise ValueError(f"expected out {kind} {shape}, got {out_kind} {storage.shape}")
+        if not storage.flags.c_contiguous or not storage.flags.writeable:
+            raise ValueError("expected a C-contiguous, writeable out")
+        result = out
+    buffer = storage if kind == "float32" else np.empty(shape, np.float32)
+    return result, storage, buffer
+
+
+# ---------------------------------------------------------------------------------------- plans
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """The work split of one decode step, reusable by every layer of that step.
+
+    Attributes
+    ----------
+    seq_lens : int32 [num_seqs]
+        The lengths the plan was made for (checked on use).
+    items : int32 [num_items, 5]
+        (seq, kv_head, page_begin, page_end, part) work items.
+    slot_indptr : int32 [num_slots + 1]
+        Items of thread slot i: ``items[slot_indptr[i]:slot_indptr[i + 1]]``.
+    split_pairs : int32 [num_split, 4]
+        (seq, kv_head, part_begin, part_end) of sequences split across slots.
+    num_parts : int
+    page_size, num_kv_heads, window : int
+    """
+
+    seq_lens: np.ndarray
+    items: np.ndarray
+    slot_indptr: np.ndarray
+    split_pairs: np.ndarray
+    num_parts: int
+    page_size: int
+    num_kv_heads: int
+    window: int
+
+
+def plan_decode(seq_lens, *, page_size, num_kv_heads, sliding_window=None, num_threads=None):
+    """Balance a decode step's work across threads; pass the result as ``plan=`` to every layer.
+
+    Parameters
+    ----------
+    seq_lens : int32 [num_seqs]
+    page_size, num_kv_heads : int
+    sliding_window : int, optional
+    num_threads : int, optional
+        Defaults to Numba's current thread count.
+
+    Returns
+    -------
+    DecodePlan
+    """
+    lens = _arrays.int_array(seq_lens, "seq_lens", 1)
+    for name, value in (("page_size", page_size), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"expected {name} a positive integer, got {value!r}")
+    window = _scalar_options(1, 1.0, sliding_window, None, None, 0)[1]
+    num_slots = numba.get_num_threads() if num_threads is None else int(num_threads)
+    if num_slots < 1:
+        raise ValueError(f"expected num_threads >= 1, got {num_threads!r}")
+    min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
+    items, slot_indptr, split_pairs, num_parts = _plan.plan_decode(
+        lens, page_size, num_kv_heads, window, num_slots, min_chunk)
+    return DecodePlan(lens.copy(), items, slot_indptr, split_pairs, int(num_parts), int(page_size),
+                      int(num_kv_heads), window)
+
+
+# ---------------------------------------------------------------------------------------- attention
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, out=None,
+                           sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                           return_lse=False, plan=None):
+    """Attention of one new query token per sequence over its paged KV cache.
+
+    Parameters
+    ----------
+    q : float [num_seqs, num_q_heads, head_dim]
+        ``num_q_heads`` a multiple of ``num_kv_heads`` (GQA/MQA: query head i reads KV head
+        ``i // (num_q_heads // num_kv_heads)``).
+    k_cache, v_cache : float [num_pages, num_kv_heads, page_size, head_dim]
+    block_table : int32 [num_seqs, max_pages]
+        Physical page of each logical page; entries past a sequence's length are ignored.
+    seq_lens : int32 [num_seqs]
+        Tokens of each sequence in the cache, including the new token's own K/V.
+    scale : float, optional
+        Defaults to ``1 / sqrt(head_dim)``.
+    out : float [num_seqs, num_q_heads, head_dim], optional
+        Written in place (q's dtype).
+    sliding_window : int, optional
+        Each query sees only the last ``sliding_window`` keys (itself included).
+    logits_soft_cap : float, optional
+        Scores become ``cap * tanh(score / cap)`` (after scaling).
+    alibi_slopes : float32 [num_q_heads], optional
+        Adds ``slope * (key_pos - query_pos)`` to each score.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scores (natural log).
+    plan : DecodePlan, optional
+        From :func:`plan_decode` for these ``seq_lens``; made here when omitted.
+
+    Returns
+    -------
+    out : [num_seqs, num_q_heads, head_dim], q's dtype (and kind: numpy or torch)
+    lse : float32 [num_seqs, num_q_heads], only with ``return_lse``
+        -inf (and a zero output row) for a sequence with no visible key.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from pagekv.attention import paged_decode_attention
+    >>> k = np.random.default_rng(0).standard_normal((4, 1, 16, 64), dtype=np.float32)
+    >>> q = np.ones((1, 2, 64), np.float32)
+    >>> out = paged_decode_attention(q, k, k, np.array([[3, 1]], np.int32), np.array([20], np.int32))
+    >>> out.shape
+    (1, 2, 64)
+    """
+    k, v, kind = _caches(k_cache, v_cache)
+    num_pages, num_kv_heads, page_size, head_dim = k.shape
+    q32, q_kind = _query(q, "q", num_kv_heads, head_dim)
+    num_seqs, num_q_heads = q32.shape[:2]
+    scale, window, cap, slopes = _scalar_options(head_dim, scale, sliding_window, logits_soft_cap,
+                                                 alibi_slopes, num_q_heads)
+    table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
+    if plan is None:
+        plan = plan_decode(lens, page_size=page_size, num_kv_heads=num_kv_heads,
+                           sliding_window=sliding_window)
+    elif ((plan.page_size, plan.num_kv_heads, plan.window) != (page_size, num_kv_heads, window)
+          or not np.array_equal(plan.seq_lens, lens)):
+        raise ValueError("expected a plan made for these seq_lens, page_size, num_kv_heads and "
+                         "sliding_window, got one made for others")
+    result, storage, buffer = _output(q, q_kind, q32.shape, out)
+    lse = np.empty((num_seqs, num_q_heads), np.float32)
+    group = num_q_heads // num_kv_heads
+    part_out = np.empty((plan.num_parts, group, head_dim), np.float32)
+    part_lse = np.empty((plan.num_parts, group), np.float32)
+    _attention.decode(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, plan.items, plan.slot_indptr,
+                      scale, window, cap, slopes, buffer, lse, part_out, part_lse)
+    if len(plan.split_pairs):
+        _attention.merge_parts(part_out, part_lse, plan.split_pairs, buffer, lse)
+    if buffer is not storage:
+        _arrays.from_float32(buffer, q_kind, storage)
+    return (result, lse) if return_lse else result
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, *, scale=None,
+                            out=None, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                            return_lse=False):
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Sequence ``s`` brings query rows ``q[qo_indptr[s]:qo_indptr[s+1]]``: its last ``q_len`` tokens,
+    whose K/V are already in the cache (``seq_lens[s]`` counts them). Each attends to every cached
+    token up to and including its own position — a cached prefix (prefix hit, chunked prefill) and
+    the new tokens causally.
+
+    Parameters
+    ----------
+    q : float [num_tokens, num_q_heads, head_dim]
+    k_cache, v_cache : float [num_pages, num_kv_heads, page_size, head_dim]
+    block_table : int32 [num_seqs, max_pages]
+    seq_lens : int32 [num_seqs]
+        Each ``>= qo_indptr[s+1] - qo_indptr[s]``.
+    qo_indptr : int32 [num_seqs + 1]
+        Nondecreasing, from 0 to ``num_tokens``.
+    scale, out, sliding_window, logits_soft_cap, alibi_slopes, return_lse
+        As in :func:`paged_decode_attention`.
+
+    Returns
+    -------
+    out : [num_tokens, num_q_heads, head_dim], q's dtype
+    lse : float32 [num_tokens, num_q_heads], only with ``return_lse``
+    """
+    k, v, kind = _caches(k_cache, v_cache)
+    num_pages, num_kv_heads, page_size, head_dim = k.shape
+    q32, q_kind = _query(q, "q", num_kv_heads, head_dim)
+    num_tokens, num_q_heads = q32.shape[:2]
+    scale, window, cap, slopes = _scalar_options(head_dim, scale, sliding_window, logits_soft_cap,
+                                                 alibi_slopes, num_q_heads)
+    indptr = _arrays.int_array(qo_indptr, "qo_indptr", 1)
+    num_seqs = indptr.shape[0] - 1
+    if num_seqs < 0 or indptr[0] != 0 or indptr[-1] != num_tokens or np.any(np.diff(indptr) < 0):
+        raise ValueError(f"expected qo_indptr nondecreasing from 0 to {num_tokens} (q's tokens), "
+                         f"got {indptr.tolist() if indptr.size <= 8 else indptr}")
+    table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
+    q_lens = np.diff(indptr)
+    if np.any(q_lens > lens):
+        s = int(np.argmax(q_lens > lens))
+        raise ValueError(f"expected seq_lens[{s}] >= its {q_lens[s]} query tokens, got {lens[s]}")
+    items, slot_indptr = _plan.plan_prefill(lens, indptr, page_size, num_kv_heads, window,
+                                            numba.get_num_threads())
+    result, storage, buffer = _output(q, q_kind, q32.shape, out)
+    lse = np.empty((num_tokens, num_q_heads), np.float32)
+    _attention.prefill(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, indptr, items, slot_indptr,
+                       scale, window, cap, slopes, buffer, lse)
+    if buffer is not storage:
+        _arrays.from_float32(buffer, q_kind, storage)
+    return (result, lse) if return_lse else result
+
+
+# ---------------------------------------------------------------------------------------- cache ops
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Store new tokens' keys and values into their pages.
+
+    Parameters
+    ----------
+    k, v : float [num_tokens, num_kv_heads, head_dim]
+        Same dtype as the cache (a float32 k/v for a 16-bit cache is rounded to it).
+    k_cache, v_cache : float [num_pages, num_kv_heads, page_size, head_dim]
+        Written in place.
+    slot_mapping : int [num_tokens]
+        ``page * page_size + offset`` of each token; negative = skip (padding).
+    """
+    kc, vc, kind = _caches(k_cache, v_cache)
+    num_pages, num_kv_heads, page_size, head_dim = kc.shape
+    slots = _arrays.int_array(slot_mapping, "slot_mapping", 1).astype(np.int64)
+    new = []
+    for name, x in (("k", k), ("v", v)):
+        array, x_kind = _arrays.float_storage(x, name)
+        if array.shape != (slots.shape[0], num_kv_heads, head_dim):
+            raise ValueError(f"expected {name} of shape {(slots.shape[0], num_kv_heads, head_dim)}, "
+                             f"got {array.shape}")
+        if x_kind != kind:
+            converted = np.empty(array.shape, kc.dtype)
+            _arrays.from_float32(np.ascontiguousarray(_arrays.to_float32(array, x_kind)), kind, converted)
+            array = converted
+        new.append(array)
+    if slots.size and slots.max() >= num_pages * page_size:
+        i = int(slots.argmax())
+        raise InvalidPageError(f"expected slots below {num_pages * page_size} (num_pages * page_size), "
+                               f"got {slots[i]} at index {i}")
+    valid = slots[slots >= 0]
+    if np.unique(valid).size != valid.size:
+        raise ValueError("expected distinct slots in slot_mapping, got a repeated slot")
+    _cache_ops.write_kv(new[0], new[1], kc, vc, slots)
+
+
+def copy_pages(k_cache, v_cache, src, dst):
+    """Copy pages ``src[i] -> dst[i]`` (every head), e.g. the pending copies of copy-on-write.
+
+    Parameters
+    ----------
+    k_cache, v_cache : float [num_pages, num_kv_heads, page_size, head_dim]
+    src, dst : int [num_copies]
+        ``dst`` distinct and disjoint from ``src``.
+    """
+    kc, vc, _ = _caches(k_cache, v_cache)
+    src = _arrays.int_array(src, "src", 1)
+    dst = _arrays.int_array(dst, "dst", 1)
+    if src.shape != dst.shape:
+        raise ValueError(f"expected src and dst of one length, got {src.shape[0]} and {dst.shape[0]}")
+    for name, ids in (("src", src), ("dst", dst)):
+        if ids.size and (ids.min() < 0 or ids.max() >= kc.shape[0]):
+            bad = ids[(ids < 0) | (ids >= kc.shape[0])][0]
+            raise InvalidPageError(f"expected {name} page ids in [0, {kc.shape[0]}), got {bad}")
+    if np.unique(dst).size != dst.size or np.intersect1d(src, dst).size:
+        raise ValueError("expected dst pages distinct and disjoint from src, got an overlap")
+    _cache_ops.copy_pages(kc, vc, src, dst)
+
+
+def gather_kv(k_cache, v_cache, block_table, seq_lens):
+    """Copy each sequence's paged K/V into dense, packed arrays (a debugging and interop aid).
+
+    Returns
+    -------
+    k, v : [sum(seq_lens), num_kv_heads, head_dim], the cache's storage dtype
+    kv_indptr : int32 [num_seqs + 1]
+        Sequence ``s`` owns rows ``kv_indptr[s]:kv_indptr[s+1]``.
+    """
+    kc, vc, _ = _caches(k_cache, v_cache)
+    num_pages, num_kv_heads, page_size, head_dim = kc.shape
+    table = _arrays.int_array(block_table, "block_table", 2)
+    table, lens = _page_tables(table, seq_lens, table.shape[0], page_size, num_pages)
+    indptr = np.zeros(lens.shape[0] + 1, np.int32)
+    np.cumsum(lens, out=indptr[1:])
+    k_out = np.empty((indptr[-1], num_kv_heads, head_dim), kc.dtype)
+    v_out = np.empty_like(k_out)
+    _cache_ops.gather_kv(kc, vc, table, indptr, k_out, v_out)
+    dtype = np.asarray(k_cache).dtype if not _arrays.is_torch(k_cache) else kc.dtype
+    if dtype != kc.dtype:  # float16 or ml_dtypes.bfloat16 storage: view the bits back
+        k_out, v_out = k_out.view(dtype), v_out.view(dtype)
+    return k_out, v_out, indptr
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Merge two partial attention results over disjoint key sets (log-sum-exp weighting).
+
+    Parameters
+    ----------
+    o_a, o_b : float [num_rows, num_heads, head_dim]
+    lse_a, lse_b : float32 [num_rows, num_heads]
+        Natural-log sums of exp(scores) of each part (-inf for an empty part).
+
+    Returns
+    -------
+    o : float32 [num_rows, num_heads, head_dim]
+    lse : float32 [num_rows, num_heads]
+    """
+    arrays = []
+    for name, x in (("o_a", o_a), ("o_b", o_b)):
+        array, kind = _arrays.float_storage(x, name)
+        arrays.append(np.ascontiguousarray(_arrays.to_float32(array, kind), dtype=np.float32))
+    if arrays[0].ndim != 3 or arrays[0].shape != arrays[1].shape:
+        raise ValueError(f"expected o_a and o_b of one 3-D shape, got {arrays[0].shape} and {arrays[1].shape}")
+    lses = []
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        array = np.ascontiguousarray(np.asarray(x), dtype=np.float32)
+        if array.shape != arrays[0].shape[:2]:
+            raise ValueError(f"expected {name} of shape {arrays[0].shape[:2]}, got {array.shape}")
+        lses.append(array)
+    o = np.empty_like(arrays[0])
+    lse = np.empty_like(lses[0])
+    _cache_ops.merge_states(arrays[0], lses[0], arrays[1], lses[1], o, lse)
+    return o, lse

@@ -1,0 +1,63 @@
+"""Builders of random paged KV caches for the kernel tests (pages in random physical order)."""
+
+import numpy as np
+
+STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+# Tolerance on max|out - ref| / max|ref| by output (query) dtype: float32 accumulates in float32,
+# the 16-bit kinds round the output once.
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def to_storage(values, kind):
+    """float32 values in a storage array of ``kind`` (bfloat16 as uint16 bits, rounded to nearest even)."""
+    values = np.asarray(values, np.float32)
+    if kind == "bfloat16":
+        bits = values.view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return values.astype(STORAGE[kind])
+
+
+def widen(storage, kind):
+    """float64 values of a storage array."""
+    if kind == "bfloat16":
+        return (storage.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return storage.astype(np.float64)
+
+
+class PagedKV:
+    """K/V caches with each sequence's pages scattered at random over a pool, plus spare pages.
+
+    Attributes: k, v (storage arrays), k64, v64 (float64 values), block_table int32 [num_seqs,
+    max_pages] padded with -1, seq_lens int32 [num_seqs].
+    """
+
+    def __init__(self, rng, seq_lens, *, num_kv_heads, head_dim, page_size, kind,
+                 spare_pages=3, extra_columns=1, contiguous=False):
+        self.seq_lens = np.asarray(seq_lens, np.int32)
+        pages_needed = [-(-int(n) // page_size) for n in self.seq_lens]
+        num_pages = sum(pages_needed) + spare_pages
+        order = np.arange(num_pages) if contiguous else rng.permutation(num_pages)
+        self.block_table = np.full((len(pages_needed), max(pages_needed + [0]) + extra_columns), -1,
+                                   np.int32)
+        start = 0
+        for s, n in enumerate(pages_needed):
+            self.block_table[s, :n] = order[start:start + n]
+            start += n
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        self.kind = kind
+        self.k = to_storage(rng.standard_normal(shape), kind)
+        self.v = to_storage(rng.standard_normal(shape), kind)
+
+    @property
+    def k64(self):
+        return widen(self.k, self.kind)
+
+    @property
+    def v64(self):
+        return widen(self.v, self.kind)
+
+
+def relative_error(got, expected):
+    got = np.asarray(got, np.float64)
+    scale = max(np.abs(expected).max(), 1e-30)
+    return np.abs(got - expected).max() / scale

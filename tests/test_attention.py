@@ -1,0 +1,213 @@
+"""Paged attention kernels against their float64 NumPy twins, on awkward shapes and every dtype."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_builders import TOLERANCE, PagedKV, relative_error, to_storage, widen
+from pagekv import attention
+from pagekv.reference import attention as reference
+
+HEAD_DIMS = [64, 80, 96, 128, 256]
+PAGE_SIZES = [1, 2, 16, 17, 64, 256]
+KINDS = ["float32", "float16", "bfloat16"]
+
+
+@st.composite
+def problems(draw, *, max_len=300):
+    num_kv_heads = draw(st.integers(1, 3))
+    return dict(
+        seq_lens=draw(st.lists(st.sampled_from([1, 2, 15, 16, 17, 63, 64, 65, 97, 1, max_len]) |
+                               st.integers(1, max_len), min_size=1, max_size=4)),
+        num_kv_heads=num_kv_heads,
+        group=draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from(HEAD_DIMS)),
+        page_size=draw(st.sampled_from(PAGE_SIZES)),
+        kind=draw(st.sampled_from(KINDS)),
+        q_kind=draw(st.sampled_from(KINDS)),
+        options=draw(st.fixed_dictionaries({}, optional={
+            "sliding_window": st.integers(1, 80),
+            "logits_soft_cap": st.sampled_from([5.0, 30.0]),
+            "alibi_slopes": st.just("alibi"),
+            "scale": st.floats(0.01, 0.5),
+        })),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def build(problem):
+    rng = np.random.default_rng(problem["seed"])
+    kv = PagedKV(rng, problem["seq_lens"], num_kv_heads=problem["num_kv_heads"],
+                 head_dim=problem["head_dim"], page_size=problem["page_size"], kind=problem["kind"])
+    num_q_heads = problem["num_kv_heads"] * problem["group"]
+    options = dict(problem["options"])
+    if "alibi_slopes" in options:
+        options["alibi_slopes"] = (2.0 ** -np.arange(1, num_q_heads + 1)).astype(np.float32)
+    return rng, kv, num_q_heads, options
+
+
+def query(rng, shape, kind):
+    storage = to_storage(rng.standard_normal(shape), kind)
+    return (storage.view(np.float16) if kind == "float16" else storage), widen(storage, kind)
+
+
+def check(got, expected, kind):
+    got = np.asarray(got)
+    got_values = widen(got.view(np.uint16), kind) if kind == "bfloat16" else got.astype(np.float64)
+    assert not np.isnan(got_values).any()
+    assert relative_error(got_values, expected) <= TOLERANCE[kind]
+
+
+@given(problems())
+def test_decode_matches_reference(problem):
+    rng, kv, num_q_heads, options = build(problem)
+    q, q64 = query(rng, (len(kv.seq_lens), num_q_heads, problem["head_dim"]), problem["q_kind"])
+    out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                return_lse=True, **options)
+    expected, expected_lse = reference.decode(q64, kv.k64, kv.v64, kv.block_table, kv.seq_lens,
+                                              **options)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    check(out, expected, problem["q_kind"])
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
+@given(problems(max_len=120), st.data())
+def test_prefill_matches_reference(problem, data):
+    rng, kv, num_q_heads, options = build(problem)
+    q_lens = [data.draw(st.integers(1, n)) for n in kv.seq_lens]  # the rest is a cached prefix
+    qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q, q64 = query(rng, (qo_indptr[-1], num_q_heads, problem["head_dim"]), problem["q_kind"])
+    out, lse = attention.paged_prefill_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                 qo_indptr, return_lse=True, **options)
+    expected, expected_lse = reference.prefill(q64, kv.k64, kv.v64, kv.block_table, kv.seq_lens,
+                                               qo_indptr, **options)
+    check(out, expected, problem["q_kind"])
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_of_whole_prompt_equals_decode_of_last_token():
+    rng = np.random.default_rng(7)
+    kv = PagedKV(rng, [97, 33], num_kv_heads=2, head_dim=80, page_size=16, kind="float32")
+    qo_indptr = np.array([0, 97, 130], np.int32)
+    q = rng.standard_normal((130, 4, 80)).astype(np.float32)
+    full = attention.paged_prefill_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens, qo_indptr)
+    last = attention.paged_decode_attention(q[[96, 129]], kv.k, kv.v, kv.block_table, kv.seq_lens)
+    np.testing.assert_allclose(full[[96, 129]], last, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_random_page_order_equals_contiguous_layout(kind, page_size):
+    lens = [1, 17, 97, 300]
+    paged = PagedKV(np.random.default_rng(1), lens, num_kv_heads=2, head_dim=64,
+                    page_size=page_size, kind=kind)
+    contiguous = PagedKV(np.random.default_rng(1), lens, num_kv_heads=2, head_dim=64,
+                         page_size=page_size, kind=kind, contiguous=True)
+    # Same values per logical page: copy each sequence's pages into the contiguous layout.
+    for s, n in enumerate(lens):
+        for p in range(-(-n // page_size)):
+            contiguous.k[contiguous.block_table[s, p]] = paged.k[paged.block_table[s, p]]
+            contiguous.v[contiguous.block_table[s, p]] = paged.v[paged.block_table[s, p]]
+    q = np.random.default_rng(2).standard_normal((4, 8, 64)).astype(np.float32)
+    a = attention.paged_decode_attention(q, paged.k, paged.v, paged.block_table, paged.seq_lens)
+    b = attention.paged_decode_attention(q, contiguous.k, contiguous.v, contiguous.block_table,
+                                         contiguous.seq_lens)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("window", [None, 1000])
+def test_split_and_unsplit_plans_agree(window):
+    rng = np.random.default_rng(3)
+    kv = PagedKV(rng, [4099, 5, 2000], num_kv_heads=2, head_dim=128, page_size=16, kind="bfloat16")
+    q = rng.standard_normal((3, 8, 128)).astype(np.float32)
+    outs = {}
+    for threads in (1, 7):
+        plan = attention.plan_decode(kv.seq_lens, page_size=16, num_kv_heads=2,
+                                     sliding_window=window, num_threads=threads)
+        outs[threads] = attention.paged_decode_attention(
+            q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=plan, sliding_window=window,
+            return_lse=True)
+    assert len(attention.plan_decode(kv.seq_lens, page_size=16, num_kv_heads=2,
+                                     num_threads=7).split_pairs) > 0, "the 7-slot plan must split"
+    np.testing.assert_allclose(outs[1][0], outs[7][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[1][1], outs[7][1], rtol=1e-5, atol=1e-5)
+
+
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 16),
+       st.sampled_from([1, 16, 128]), st.integers(1, 8))
+def test_plan_covers_every_page_once_and_balances(seq_lens, num_slots, page_size, num_kv_heads):
+    plan = attention.plan_decode(np.array(seq_lens, np.int32), page_size=page_size,
+                                 num_kv_heads=num_kv_heads, num_threads=num_slots)
+    covered = {}
+    for seq, head, begin, end, part in plan.items:
+        covered.setdefault((seq, head), []).append((begin, end))
+    assert set(covered) == {(s, h) for s in range(len(seq_lens)) for h in range(num_kv_heads)}
+    for (seq, _), pieces in covered.items():
+        pieces.sort()
+        assert pieces[0][0] == 0 and pieces[-1][1] == -(-seq_lens[seq] // page_size)
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert plan.slot_indptr[0] == 0 and plan.slot_indptr[-1] == len(plan.items)
+    assert np.all(np.diff(plan.slot_indptr) >= 0)
+    costs = [sum(e - b + 1 for _, _, b, e, _ in plan.items[plan.slot_indptr[i]:plan.slot_indptr[i + 1]])
+             for i in range(num_slots)]
+    min_chunk = max(1, attention.MIN_SPLIT_TOKENS // page_size)
+    assert max(costs) <= -(-sum(costs) // num_slots) + 2 * (min_chunk + 1)
+
+
+def test_merge_states_of_two_halves_equals_the_whole():
+    rng = np.random.default_rng(4)
+    whole = PagedKV(rng, [200], num_kv_heads=2, head_dim=64, page_size=16, kind="float32",
+                    contiguous=True)
+    q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    table = whole.block_table
+    first = attention.paged_decode_attention(q, whole.k, whole.v, table, [96], return_lse=True)
+    second = attention.paged_decode_attention(q, whole.k, whole.v, table[:, 6:], [104],
+                                              return_lse=True)
+    merged, merged_lse = attention.merge_states(first[0], first[1], second[0], second[1])
+    full, full_lse = attention.paged_decode_attention(q, whole.k, whole.v, table, [200],
+                                                      return_lse=True)
+    np.testing.assert_allclose(merged, full, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(merged_lse, full_lse, rtol=1e-6, atol=1e-5)
+    twin_o, twin_lse = reference.merge_states(first[0], first[1], second[0], second[1])
+    np.testing.assert_allclose(merged, twin_o, rtol=1e-5, atol=1e-6)
+
+
+def test_merge_states_with_empty_parts_gives_zeros_not_nan():
+    o = np.ones((2, 1, 8), np.float32)
+    lse = np.array([[-np.inf], [0.0]], np.float32)
+    merged, merged_lse = attention.merge_states(o, lse, o * 3, np.full((2, 1), -np.inf, np.float32))
+    assert merged[0].tolist() == [[0.0] * 8] and merged_lse[0, 0] == -np.inf
+    np.testing.assert_allclose(merged[1], 1.0)
+
+
+def test_fully_masked_rows_give_zeros_and_no_nan():
+    rng = np.random.default_rng(5)
+    kv = PagedKV(rng, [0, 40], num_kv_heads=1, head_dim=64, page_size=16, kind="float32",
+                 spare_pages=1)
+    q = rng.standard_normal((2, 2, 64)).astype(np.float32)
+    out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                sliding_window=3, return_lse=True)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+    expected, _ = reference.decode(q, kv.k64, kv.v64, kv.block_table, kv.seq_lens, sliding_window=3)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_out_is_written_in_place():
+    rng = np.random.default_rng(6)
+    kv = PagedKV(rng, [33], num_kv_heads=1, head_dim=64, page_size=16, kind="bfloat16")
+    q = rng.standard_normal((1, 1, 64)).astype(np.float16)
+    out = np.full_like(q, np.nan)
+    result = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens, out=out)
+    assert result is out and not np.isnan(out).any()
+
+
+def test_single_token_sequences():
+    rng = np.random.default_rng(8)
+    kv = PagedKV(rng, [1, 1, 1], num_kv_heads=2, head_dim=96, page_size=1, kind="float16")
+    q = rng.standard_normal((3, 2, 96)).astype(np.float32)
+    out = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens)
+    # With one key, attention returns its value.
+    for s in range(3):
+        np.testing.assert_allclose(out[s], kv.v64[kv.block_table[s, 0], :, 0], rtol=1e-6)

@@ -1,0 +1,90 @@
+"""The attention wrappers' boundary: each mistake raises "expected X, got Y", never crashes."""
+
+import numpy as np
+import pytest
+
+from kv_builders import PagedKV
+from pagekv import InvalidPageError, attention
+
+
+@pytest.fixture
+def kv():
+    return PagedKV(np.random.default_rng(0), [20, 5], num_kv_heads=2, head_dim=64, page_size=16,
+                   kind="float32")
+
+
+def decode(kv, **changes):
+    args = dict(q=np.zeros((2, 4, 64), np.float32), k_cache=kv.k, v_cache=kv.v,
+                block_table=kv.block_table, seq_lens=kv.seq_lens)
+    options = {name: changes.pop(name) for name in list(changes) if name not in args}
+    args.update(changes)
+    return attention.paged_decode_attention(**args, **options)
+
+
+@pytest.mark.parametrize("bad", [-1, 6, 10**6])
+def test_page_id_outside_the_cache(kv, bad):
+    table = kv.block_table.copy()
+    table[0, 1] = bad
+    with pytest.raises(InvalidPageError, match=rf"expected page ids in \[0, 6\), got {bad} at block_table\[0, 1\]"):
+        decode(kv, block_table=table)
+
+
+def test_padding_past_the_length_is_not_read(kv):
+    table = kv.block_table.copy()
+    table[1, 1:] = 10**6  # sequence 1 uses one page only
+    decode(kv, block_table=table)
+
+
+def test_seq_len_beyond_the_table(kv):
+    with pytest.raises(ValueError, match=r"expected seq_lens <= 48 .* got 49 for sequence 1"):
+        decode(kv, seq_lens=np.array([20, 49], np.int32))
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(q=np.zeros((2, 3, 64), np.float32)), ValueError, "num_q_heads a multiple of num_kv_heads 2, got 3"),
+    (dict(q=np.zeros((2, 4, 32), np.float32)), ValueError, "head_dim 64 .* got 32"),
+    (dict(q=np.zeros((2, 4), np.float32)), ValueError, r"expected q of shape \[num_tokens"),
+    (dict(q=np.zeros((3, 4, 64), np.float32)), ValueError, "for 3 sequences, got 2 and 2"),
+    (dict(q=np.zeros((2, 4, 64), np.int32)), TypeError, "expected float32, float16 or bfloat16 .* got int32"),
+    (dict(seq_lens=np.array([20.0, 5.0])), TypeError, "expected an integer dtype for seq_lens"),
+    (dict(seq_lens=np.array([20, -1])), ValueError, "expected seq_lens >= 0, got -1"),
+    (dict(block_table=np.zeros(4, np.int32)), ValueError, "expected a 2-D array for block_table"),
+    (dict(sliding_window=0), ValueError, "expected sliding_window None or an integer >= 1, got 0"),
+    (dict(logits_soft_cap=-1.0), ValueError, "expected logits_soft_cap None or > 0"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"expected alibi_slopes of shape \(4,\)"),
+    (dict(scale=float("nan")), ValueError, "expected a finite scale"),
+    (dict(out=np.zeros((2, 4, 64), np.float16)), ValueError, "expected out float32"),
+    (dict(out=np.zeros((2, 4, 128), np.float32)[..., ::2]), ValueError, "C-contiguous"),
+])
+def test_bad_arguments(kv, changes, error, message):
+    with pytest.raises(error, match=message):
+        decode(kv, **changes)
+
+
+def test_plan_for_other_lengths_is_refused(kv):
+    plan = attention.plan_decode([20, 6], page_size=16, num_kv_heads=2)
+    with pytest.raises(ValueError, match="expected a plan made for these seq_lens"):
+        decode(kv, plan=plan)
+    decode(kv, plan=attention.plan_decode(kv.seq_lens, page_size=16, num_kv_heads=2))
+
+
+@pytest.mark.parametrize("qo_indptr, message", [
+    ([0, 4], "for 1 sequences, got 2 and 2"),
+    ([1, 2, 4], "expected qo_indptr nondecreasing from 0 to 4"),
+    ([0, 3, 2, 4], "expected qo_indptr nondecreasing"),
+    ([0, 0, 4], r"expected seq_lens\[1\] >= its 4 query tokens, got 0"),
+])
+def test_prefill_bad_qo_indptr(qo_indptr, message):
+    kv = PagedKV(np.random.default_rng(1), [8, 0], num_kv_heads=1, head_dim=64, page_size=4,
+                 kind="float32")
+    q = np.zeros((4, 1, 64), np.float32)
+    with pytest.raises(ValueError, match=message):
+        attention.paged_prefill_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens, qo_indptr)
+
+
+def test_merge_states_shapes():
+    o = np.zeros((2, 3, 8), np.float32)
+    with pytest.raises(ValueError, match=r"expected lse_b of shape \(2, 3\), got \(2,\)"):
+        attention.merge_states(o, np.zeros((2, 3)), o, np.zeros(2))
+    with pytest.raises(ValueError, match="expected o_a and o_b of one 3-D shape"):
+        attention.merge_states(o, np.zeros((2, 3)), o[:1], np.zeros((1, 3)))

@@ -1,0 +1,120 @@
+"""write_kv, copy_pages and gather_kv against their NumPy twins; bad input leaves caches untouched."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_builders import PagedKV, to_storage, widen
+from pagekv import InvalidPageError, attention
+from pagekv.reference import attention as reference
+
+KINDS = ["float32", "float16", "bfloat16"]
+
+
+def caches(kind, *, num_pages=6, heads=2, page_size=17, head_dim=80, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (num_pages, heads, page_size, head_dim)
+    return to_storage(rng.standard_normal(shape), kind), to_storage(rng.standard_normal(shape), kind)
+
+
+@given(st.sampled_from(KINDS), st.sampled_from(KINDS), st.integers(0, 2**16), st.data())
+def test_write_kv_matches_reference(kind, input_kind, seed, data):
+    k_cache, v_cache = caches(kind, seed=seed)
+    capacity = k_cache.shape[0] * k_cache.shape[2]
+    slots = data.draw(st.lists(st.integers(0, capacity - 1), unique=True, max_size=20))
+    slots = np.array(slots + data.draw(st.lists(st.just(-1), max_size=3)), np.int64)
+    rng = np.random.default_rng(seed + 1)
+    k = to_storage(rng.standard_normal((len(slots), 2, 80)), input_kind)
+    v = to_storage(rng.standard_normal((len(slots), 2, 80)), input_kind)
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    # The twin stores the inputs rounded to the cache's kind, as the kernel must.
+    reference.write_kv(to_storage(widen(k, input_kind), kind), to_storage(widen(v, input_kind), kind),
+                       expected_k, expected_v, slots)
+    view = (lambda a: a.view(np.float16)) if input_kind == "float16" else (lambda a: a)
+    cache_view = (lambda a: a.view(np.float16)) if kind == "float16" else (lambda a: a)
+    attention.write_kv(view(k), view(v), cache_view(k_cache), cache_view(v_cache), slots)
+    np.testing.assert_array_equal(k_cache, expected_k)
+    np.testing.assert_array_equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copy_pages_matches_reference(kind):
+    k_cache, v_cache = caches(kind)
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    reference.copy_pages(expected_k, expected_v, [0, 3], [5, 1])
+    attention.copy_pages(k_cache, v_cache, np.array([0, 3]), np.array([5, 1]))
+    np.testing.assert_array_equal(k_cache, expected_k)
+    np.testing.assert_array_equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_kv_matches_reference(kind):
+    kv = PagedKV(np.random.default_rng(2), [17, 1, 64, 0], num_kv_heads=2, head_dim=64,
+                 page_size=16, kind=kind)
+    k_cache = kv.k.view(np.float16) if kind == "float16" else kv.k
+    k, v, indptr = attention.gather_kv(k_cache, kv.v, kv.block_table, kv.seq_lens)
+    assert indptr.tolist() == [0, 17, 18, 82, 82] and k.dtype == k_cache.dtype
+    for s, n in enumerate(kv.seq_lens):
+        expected = reference.gather_sequence(kv.k64, kv.block_table[s], n)
+        np.testing.assert_array_equal(widen(k[indptr[s]:indptr[s + 1]].view(kv.k.dtype), kind), expected)
+        expected = reference.gather_sequence(kv.v64, kv.block_table[s], n)
+        np.testing.assert_array_equal(widen(v[indptr[s]:indptr[s + 1]], kind), expected)
+
+
+# ------------------------------------------------------------------ bad input: clear error, no change
+
+def unchanged(k_cache, v_cache):
+    before = (k_cache.copy(), v_cache.copy())
+    return lambda: (np.array_equal(before[0], k_cache) and np.array_equal(before[1], v_cache))
+
+
+def test_write_kv_slot_past_the_cache():
+    k_cache, v_cache = caches("float32")
+    same = unchanged(k_cache, v_cache)
+    k = np.zeros((2, 2, 80), np.float32)
+    with pytest.raises(InvalidPageError, match=r"expected slots below 102 .* got 102 at index 1"):
+        attention.write_kv(k, k, k_cache, v_cache, [3, 102])
+    assert same()
+
+
+def test_write_kv_repeated_slot_and_wrong_shape():
+    k_cache, v_cache = caches("float32")
+    same = unchanged(k_cache, v_cache)
+    with pytest.raises(ValueError, match="repeated slot"):
+        attention.write_kv(np.zeros((2, 2, 80), np.float32), np.zeros((2, 2, 80), np.float32),
+                           k_cache, v_cache, [4, 4])
+    with pytest.raises(ValueError, match=r"expected k of shape \(2, 2, 80\), got \(2, 2, 64\)"):
+        attention.write_kv(np.zeros((2, 2, 64), np.float32), np.zeros((2, 2, 64), np.float32),
+                           k_cache, v_cache, [1, 2])
+    assert same()
+
+
+@pytest.mark.parametrize("src, dst, error, message", [
+    ([0, 6], [1, 2], InvalidPageError, r"expected src page ids in \[0, 6\), got 6"),
+    ([0], [-1], InvalidPageError, r"expected dst page ids in \[0, 6\), got -1"),
+    ([0, 1], [2, 2], ValueError, "distinct and disjoint"),
+    ([0, 1], [1, 2], ValueError, "distinct and disjoint"),
+    ([0, 1], [2], ValueError, "one length"),
+])
+def test_copy_pages_bad_ids(src, dst, error, message):
+    k_cache, v_cache = caches("bfloat16")
+    same = unchanged(k_cache, v_cache)
+    with pytest.raises(error, match=message):
+        attention.copy_pages(k_cache, v_cache, src, dst)
+    assert same()
+
+
+def test_caches_must_match_and_be_contiguous():
+    k_cache, v_cache = caches("float32")
+    q = np.zeros((1, 2, 80), np.float32)
+    table, lens = np.zeros((1, 1), np.int32), np.array([3], np.int32)
+    with pytest.raises(ValueError, match="expected v_cache like k_cache"):
+        attention.paged_decode_attention(q, k_cache, v_cache[:3], table, lens)
+    with pytest.raises(ValueError, match="expected a C-contiguous k_cache"):
+        attention.paged_decode_attention(q, k_cache[:, :, ::2], v_cache[:, :, ::2], table, lens)
+    with pytest.raises(TypeError, match="expected float32, float16 or bfloat16"):
+        attention.paged_decode_attention(q, k_cache.astype(np.float64), v_cache.astype(np.float64),
+                                         table, lens)
+    with pytest.raises(ValueError, match=r"expected k_cache of shape \[num_pages"):
+        attention.paged_decode_attention(q, k_cache[0], v_cache[0], table, lens)
