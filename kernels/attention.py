@@ -7,8 +7,10 @@ in ``pagekv.attention`` validate it.
 
 How the work is shaped:
 
-- A *work item* is one KV head of one sequence over a run of its pages. The ``G`` query heads of a
-  GQA group are processed together, so each K/V page is read from memory once per group.
+- A decode *work item* is one sequence over a run of its pages, all KV heads together (a page's heads
+  are adjacent in memory); a prefill item is one KV head of one sequence for a block of query
+  tokens. The ``G`` query heads of a GQA group are processed together, so each K/V page is read
+  from memory once per group.
 - Online softmax is folded once per page: the page's scores are computed first, then the running
   max, sum and accumulator are rescaled once (the design note rescaled on every new maximum token).
 - Work items are assigned to ``num_slots`` slots (one per thread) by a planner that balances pages,
@@ -23,6 +25,8 @@ import numpy as np
 from numba import njit, prange
 
 from pagekv.kernels._dtypes import page_as_f32
+from pagekv.kernels._math import fast_exp
+from pagekv.kernels.prefetch import prefetch_page
 
 # Not fastmath=True: that implies no-NaN/no-inf and would break -inf masking. These flags let LLVM
 # reorder sums (vectorised dot products) and fuse multiply-adds, and nothing more.
@@ -32,26 +36,81 @@ QUERY_BLOCK = 16  # prefill query tokens per work item
 _JIT = dict(cache=True, fastmath=FASTMATH, error_model="numpy", nogil=True)
 
 
-@njit(inline="always", **_JIT)
-def _fold_page(qs, num_rows, kb, vb, num_tokens, key0, qpos, masked, window, soft_cap, slopes,
+@njit(**_JIT)
+def _page_scores(qs, r0, num_rows, kb, num_tokens, scores):
+    """scores[r, t] = qs[r0 + r] . kb[t] for the page's tokens.
+
+    Four query rows at a time share each load of a key row and keep four vector accumulators, so a
+    GQA group of 4 reads the page once from L1 instead of four times (1.9x faster than one row at a
+    time, measured on the S1 shape).
+    """
+    head_dim = qs.shape[1]
+    r = 0
+    while r + 4 <= num_rows:
+        q = r0 + r
+        for t in range(num_tokens):
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for d in range(head_dim):
+                k = kb[t, d]
+                s0 += qs[q, d] * k
+                s1 += qs[q + 1, d] * k
+                s2 += qs[q + 2, d] * k
+                s3 += qs[q + 3, d] * k
+            scores[r, t] = s0
+            scores[r + 1, t] = s1
+            scores[r + 2, t] = s2
+            scores[r + 3, t] = s3
+        r += 4
+    for r in range(r, num_rows):
+        for t in range(num_tokens):
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += qs[r0 + r, d] * kb[t, d]
+            scores[r, t] = s
+
+
+@njit(**_JIT)
+def _page_accumulate(scores, r0, num_rows, vb, num_tokens, acc):
+    """acc[r0 + r] += sum over t of scores[r, t] * vb[t].
+
+    Four tokens per pass over an accumulator row: one load and one store of acc per four
+    multiply-adds instead of per one.
+    """
+    head_dim = acc.shape[1]
+    t = 0
+    while t + 4 <= num_tokens:
+        for r in range(num_rows):
+            p0, p1, p2, p3 = scores[r, t], scores[r, t + 1], scores[r, t + 2], scores[r, t + 3]
+            for d in range(head_dim):
+                acc[r0 + r, d] += (p0 * vb[t, d] + p1 * vb[t + 1, d]) + (p2 * vb[t + 2, d] + p3 * vb[t + 3, d])
+        t += 4
+    for t in range(t, num_tokens):
+        for r in range(num_rows):
+            p = scores[r, t]
+            for d in range(head_dim):
+                acc[r0 + r, d] += p * vb[t, d]
+
+
+# The page routines are separate functions, not inlined: compiled on their own, LLVM vectorises
+# their loops; inlined into the parallel loop body, it did not (measured: scalar FMAs only).
+@njit(**_JIT)
+def _fold_page(qs, r0, num_rows, kb, vb, num_tokens, key0, qpos, masked, window, soft_cap, slopes,
                m, l, acc, scores):
-    """Fold one page into the running softmax state of ``num_rows`` query rows.
+    """Fold one page into the running softmax state of query rows ``r0 .. r0 + num_rows - 1``.
 
     qs : float32 [rows, head_dim], queries already multiplied by the scale.
     kb, vb : float32 [page_size, head_dim], the page's keys and values (first num_tokens valid).
     key0 : position of the page's first token in its sequence.
-    qpos : int64 [rows], each row's query position; masked: whether this page needs masking.
+    qpos : int64 [num_rows], each row's query position; masked: whether this page needs masking.
     slopes : float32 [rows] ALiBi slopes, or an empty array for none.
     m, l : float32 [rows], running max and sum; acc : float32 [rows, head_dim].
-    scores : float32 [rows, page_size] scratch.
+    scores : float32 [num_rows, page_size] scratch.
+
+    Rows are addressed by offset rather than by slicing: a slice in the page loop costs an atomic
+    reference-count update in Numba's runtime, several per page and head.
     """
     head_dim = qs.shape[1]
-    for t in range(num_tokens):
-        for r in range(num_rows):
-            s = np.float32(0.0)
-            for d in range(head_dim):
-                s += qs[r, d] * kb[t, d]
-            scores[r, t] = s
+    _page_scores(qs, r0, num_rows, kb, num_tokens, scores)
     if soft_cap > 0.0:
         for r in range(num_rows):
             for t in range(num_tokens):
@@ -59,7 +118,7 @@ def _fold_page(qs, num_rows, kb, vb, num_tokens, key0, qpos, masked, window, sof
     if slopes.shape[0] > 0:
         for r in range(num_rows):
             for t in range(num_tokens):
-                scores[r, t] += slopes[r] * np.float32(key0 + t - qpos[r])
+                scores[r, t] += slopes[r0 + r] * np.float32(key0 + t - qpos[r])
     if masked:
         for r in range(num_rows):
             for t in range(num_tokens):
@@ -67,6 +126,7 @@ def _fold_page(qs, num_rows, kb, vb, num_tokens, key0, qpos, masked, window, sof
                 if k > qpos[r] or (window > 0 and k <= qpos[r] - window):
                     scores[r, t] = -np.inf
     for r in range(num_rows):
+        row = r0 + r
         page_max = -np.inf
         for t in range(num_tokens):
             page_max = max(page_max, scores[r, t])
@@ -74,23 +134,19 @@ def _fold_page(qs, num_rows, kb, vb, num_tokens, key0, qpos, masked, window, sof
             for t in range(num_tokens):
                 scores[r, t] = 0.0
             continue
-        new_max = max(m[r], page_max)
-        alpha = math.exp(m[r] - new_max)  # exp(-inf) = 0 on the first page
+        new_max = max(m[row], page_max)
+        alpha = fast_exp(m[row] - new_max)  # exp(-inf) = 0 on the first page
         total = np.float32(0.0)
         for t in range(num_tokens):
-            p = math.exp(scores[r, t] - new_max)
+            p = fast_exp(scores[r, t] - new_max)
             scores[r, t] = p
             total += p
-        l[r] = l[r] * alpha + total
-        m[r] = new_max
+        l[row] = l[row] * alpha + total
+        m[row] = new_max
         if alpha != 1.0:
             for d in range(head_dim):
-                acc[r, d] *= alpha
-    for t in range(num_tokens):
-        for r in range(num_rows):
-            p = scores[r, t]
-            for d in range(head_dim):
-                acc[r, d] += p * vb[t, d]
+                acc[row, d] *= alpha
+    _page_accumulate(scores, r0, num_rows, vb, num_tokens, acc)
 
 
 @njit(inline="always", **_JIT)
@@ -107,85 +163,92 @@ def _finish_row(acc_row, m_r, l_r, out_row):
 
 @njit(parallel=True, **_JIT)
 def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
-           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse):
+           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch):
     """Decode attention over planned work items.
 
+    A work item is one sequence over a run of its pages, all KV heads at once: in the HND layout
+    the heads of one page are adjacent, so the item reads each page as one contiguous
+    ``num_kv_heads * page_size * head_dim`` run (measured: 24.5 GB/s on one core, against 13.7 GB/s
+    for one head's block at a time, on random page order).
+
     q : float32 [num_seqs, num_q_heads, head_dim]; out : float32, same shape; lse : float32
-    [num_seqs, num_q_heads]. items : int32 [num_items, 5] = (seq, kv_head, page_begin, page_end,
-    part) where part = -1 writes out/lse directly and part >= 0 writes part_out [num_parts, G,
-    head_dim] and part_lse [num_parts, G] for :func:`merge_parts`. slot_indptr : int32
-    [num_slots + 1], items of slot i are items[slot_indptr[i]:slot_indptr[i + 1]].
-    alibi_slopes : float32 [num_q_heads] or empty.
+    [num_seqs, num_q_heads]. items : int32 [num_items, 4] = (seq, page_begin, page_end, part)
+    where part = -1 writes out/lse directly and part >= 0 writes part_out [num_parts,
+    num_q_heads, head_dim] and part_lse [num_parts, num_q_heads] for :func:`merge_parts`.
+    slot_indptr : int32 [num_slots + 1], items of slot i are items[slot_indptr[i]:slot_indptr[i + 1]].
+    alibi_slopes : float32 [num_q_heads] or empty. prefetch : bool, prefetch the next page.
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
+    num_q_heads = q.shape[1]
+    group = num_q_heads // num_kv_heads
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs = np.empty((group, head_dim), np.float32)
-        acc = np.empty((group, head_dim), np.float32)
-        m = np.empty(group, np.float32)
-        l = np.empty(group, np.float32)
+        qs = np.empty((num_q_heads, head_dim), np.float32)
+        acc = np.empty((num_q_heads, head_dim), np.float32)
+        m = np.empty(num_q_heads, np.float32)
+        l = np.empty(num_q_heads, np.float32)
         scores = np.empty((group, page_size), np.float32)
         k_scratch = np.empty((page_size, head_dim), np.float32)
         v_scratch = np.empty((page_size, head_dim), np.float32)
         qpos = np.empty(group, np.int64)
-        slopes = np.empty(group if alibi_slopes.shape[0] > 0 else 0, np.float32)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
-            seq, head, page_begin, page_end, part = items[item]
+            seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
-            for g in range(group):
+            for h in range(num_q_heads):
                 for d in range(head_dim):
-                    qs[g, d] = q[seq, head * group + g, d] * scale
-                    acc[g, d] = 0.0
-                m[g] = -np.inf
-                l[g] = 0.0
-                qpos[g] = seq_len - 1
-                if slopes.shape[0] > 0:
-                    slopes[g] = alibi_slopes[head * group + g]
+                    qs[h, d] = q[seq, h, d] * scale
+                    acc[h, d] = 0.0
+                m[h] = -np.inf
+                l[h] = 0.0
+            qpos[:] = seq_len - 1
             for p in range(page_begin, page_end):
                 page = block_table[seq, p]
                 key0 = p * page_size
                 num_tokens = min(page_size, seq_len - key0)
+                next_page = block_table[seq, p + 1] if prefetch and p + 1 < page_end else -1
                 masked = window > 0 and key0 <= seq_len - 1 - window
-                kb = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
-                vb = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
-                _fold_page(qs, group, kb, vb, num_tokens, key0, qpos, masked, window, soft_cap,
-                           slopes, m, l, acc, scores)
-            for g in range(group):
+                for head in range(num_kv_heads):
+                    if next_page >= 0:  # spread over the heads: a burst would fill the miss queue
+                        prefetch_page(k_cache, next_page, head, page_size)
+                        prefetch_page(v_cache, next_page, head, page_size)
+                    kb = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
+                    vb = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
+                    _fold_page(qs, head * group, group, kb, vb, num_tokens, key0, qpos, masked,
+                               window, soft_cap, alibi_slopes, m, l, acc, scores)
+            for h in range(num_q_heads):
                 if part < 0:
-                    lse[seq, head * group + g] = _finish_row(acc[g], m[g], l[g],
-                                                             out[seq, head * group + g])
+                    lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
                 else:
-                    part_lse[part, g] = _finish_row(acc[g], m[g], l[g], part_out[part, g])
+                    part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h])
 
 
 @njit(parallel=True, **_JIT)
-def merge_parts(part_out, part_lse, split_pairs, out, lse):
-    """Combine the pieces of split (sequence, KV head) pairs by log-sum-exp.
+def merge_parts(part_out, part_lse, split_seqs, out, lse):
+    """Combine the pieces of sequences split across slots by log-sum-exp.
 
-    split_pairs : int32 [num_split, 4] = (seq, kv_head, part_begin, part_end).
+    split_seqs : int32 [num_split, 3] = (seq, part_begin, part_end).
     """
-    group, head_dim = part_out.shape[1], part_out.shape[2]
-    for j in prange(split_pairs.shape[0]):
-        seq, head, begin, end = split_pairs[j]
-        for g in range(group):
-            row = out[seq, head * group + g]
+    num_q_heads, head_dim = part_out.shape[1], part_out.shape[2]
+    for j in prange(split_seqs.shape[0]):
+        seq, begin, end = split_seqs[j]
+        for h in range(num_q_heads):
+            row = out[seq, h]
             top = -np.inf
             for p in range(begin, end):
-                top = max(top, part_lse[p, g])
+                top = max(top, part_lse[p, h])
             row[:] = 0.0
             if top == -np.inf:
-                lse[seq, head * group + g] = -np.inf
+                lse[seq, h] = -np.inf
                 continue
             total = np.float32(0.0)
             for p in range(begin, end):
-                w = math.exp(part_lse[p, g] - top)
+                w = math.exp(part_lse[p, h] - top)
                 total += w
                 for d in range(head_dim):
-                    row[d] += w * part_out[p, g, d]
+                    row[d] += w * part_out[p, h, d]
             inv = np.float32(1.0) / total
             for d in range(head_dim):
                 row[d] *= inv
-            lse[seq, head * group + g] = top + math.log(total)
+            lse[seq, h] = top + math.log(total)
 
 
 @njit(parallel=True, **_JIT)
@@ -235,8 +298,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                 masked = key0 + num_tokens - 1 > low or (window > 0 and key0 <= high - window)
                 kb = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
                 vb = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
-                _fold_page(qs, num_rows, kb, vb, num_tokens, key0, qpos, masked, window, soft_cap,
-                           slopes, m, l, acc, scores)
+                _fold_page(qs, 0, num_rows, kb, vb, num_tokens, key0, qpos, masked, window,
+                           soft_cap, slopes, m, l, acc, scores)
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g

@@ -131,33 +131,32 @@ class DecodePlan:
     ----------
     seq_lens : int32 [num_seqs]
         The lengths the plan was made for (checked on use).
-    items : int32 [num_items, 5]
-        (seq, kv_head, page_begin, page_end, part) work items.
+    items : int32 [num_items, 4]
+        (seq, page_begin, page_end, part) work items, all KV heads each.
     slot_indptr : int32 [num_slots + 1]
         Items of thread slot i: ``items[slot_indptr[i]:slot_indptr[i + 1]]``.
-    split_pairs : int32 [num_split, 4]
-        (seq, kv_head, part_begin, part_end) of sequences split across slots.
+    split_seqs : int32 [num_split, 3]
+        (seq, part_begin, part_end) of sequences split across slots.
     num_parts : int
-    page_size, num_kv_heads, window : int
+    page_size, window : int
     """
 
     seq_lens: np.ndarray
     items: np.ndarray
     slot_indptr: np.ndarray
-    split_pairs: np.ndarray
+    split_seqs: np.ndarray
     num_parts: int
     page_size: int
-    num_kv_heads: int
     window: int
 
 
-def plan_decode(seq_lens, *, page_size, num_kv_heads, sliding_window=None, num_threads=None):
+def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
     """Balance a decode step's work across threads; pass the result as ``plan=`` to every layer.
 
     Parameters
     ----------
     seq_lens : int32 [num_seqs]
-    page_size, num_kv_heads : int
+    page_size : int
     sliding_window : int, optional
     num_threads : int, optional
         Defaults to Numba's current thread count.
@@ -167,24 +166,23 @@ def plan_decode(seq_lens, *, page_size, num_kv_heads, sliding_window=None, num_t
     DecodePlan
     """
     lens = _arrays.int_array(seq_lens, "seq_lens", 1)
-    for name, value in (("page_size", page_size), ("num_kv_heads", num_kv_heads)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"expected {name} a positive integer, got {value!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"expected page_size a positive integer, got {page_size!r}")
     window = _scalar_options(1, 1.0, sliding_window, None, None, 0)[1]
     num_slots = numba.get_num_threads() if num_threads is None else int(num_threads)
     if num_slots < 1:
         raise ValueError(f"expected num_threads >= 1, got {num_threads!r}")
     min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
-    items, slot_indptr, split_pairs, num_parts = _plan.plan_decode(
-        lens, page_size, num_kv_heads, window, num_slots, min_chunk)
-    return DecodePlan(lens.copy(), items, slot_indptr, split_pairs, int(num_parts), int(page_size),
-                      int(num_kv_heads), window)
+    items, slot_indptr, split_seqs, num_parts = _plan.plan_decode(
+        lens, page_size, window, num_slots, min_chunk)
+    return DecodePlan(lens.copy(), items, slot_indptr, split_seqs, int(num_parts), int(page_size),
+                      window)
 
 
 # ---------------------------------------------------------------------------------------- attention
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, out=None,
                            sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-                           return_lse=False, plan=None):
+                           return_lse=False, plan=None, prefetch=True):
     """Attention of one new query token per sequence over its paged KV cache.
 
     Parameters
@@ -211,6 +209,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         Also return the log-sum-exp of each row's scores (natural log).
     plan : DecodePlan, optional
         From :func:`plan_decode` for these ``seq_lens``; made here when omitted.
+    prefetch : bool
+        Software-prefetch the next page of each sequence while computing the current one.
 
     Returns
     -------
@@ -236,21 +236,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
                                                  alibi_slopes, num_q_heads)
     table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
     if plan is None:
-        plan = plan_decode(lens, page_size=page_size, num_kv_heads=num_kv_heads,
-                           sliding_window=sliding_window)
-    elif ((plan.page_size, plan.num_kv_heads, plan.window) != (page_size, num_kv_heads, window)
+        plan = plan_decode(lens, page_size=page_size, sliding_window=sliding_window)
+    elif ((plan.page_size, plan.window) != (page_size, window)
           or not np.array_equal(plan.seq_lens, lens)):
-        raise ValueError("expected a plan made for these seq_lens, page_size, num_kv_heads and "
-                         "sliding_window, got one made for others")
+        raise ValueError("expected a plan made for these seq_lens, page_size and sliding_window, "
+                         "got one made for others")
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_seqs, num_q_heads), np.float32)
-    group = num_q_heads // num_kv_heads
-    part_out = np.empty((plan.num_parts, group, head_dim), np.float32)
-    part_lse = np.empty((plan.num_parts, group), np.float32)
+    part_out = np.empty((plan.num_parts, num_q_heads, head_dim), np.float32)
+    part_lse = np.empty((plan.num_parts, num_q_heads), np.float32)
     _attention.decode(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, plan.items, plan.slot_indptr,
-                      scale, window, cap, slopes, buffer, lse, part_out, part_lse)
-    if len(plan.split_pairs):
-        _attention.merge_parts(part_out, part_lse, plan.split_pairs, buffer, lse)
+                      scale, window, cap, slopes, buffer, lse, part_out, part_lse, prefetch)
+    if len(plan.split_seqs):
+        _attention.merge_parts(part_out, part_lse, plan.split_seqs, buffer, lse)
     if buffer is not storage:
         _arrays.from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result

@@ -123,33 +123,35 @@ def test_split_and_unsplit_plans_agree(window):
     q = rng.standard_normal((3, 8, 128)).astype(np.float32)
     outs = {}
     for threads in (1, 7):
-        plan = attention.plan_decode(kv.seq_lens, page_size=16, num_kv_heads=2,
-                                     sliding_window=window, num_threads=threads)
+        plan = attention.plan_decode(kv.seq_lens, page_size=16, sliding_window=window,
+                                     num_threads=threads)
         outs[threads] = attention.paged_decode_attention(
             q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=plan, sliding_window=window,
             return_lse=True)
-    assert len(attention.plan_decode(kv.seq_lens, page_size=16, num_kv_heads=2,
-                                     num_threads=7).split_pairs) > 0, "the 7-slot plan must split"
+    assert len(attention.plan_decode(kv.seq_lens, page_size=16,
+                                     num_threads=7).split_seqs) > 0, "the 7-slot plan must split"
     np.testing.assert_allclose(outs[1][0], outs[7][0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(outs[1][1], outs[7][1], rtol=1e-5, atol=1e-5)
 
 
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 16),
-       st.sampled_from([1, 16, 128]), st.integers(1, 8))
-def test_plan_covers_every_page_once_and_balances(seq_lens, num_slots, page_size, num_kv_heads):
+       st.sampled_from([1, 16, 128]))
+def test_plan_covers_every_page_once_and_balances(seq_lens, num_slots, page_size):
     plan = attention.plan_decode(np.array(seq_lens, np.int32), page_size=page_size,
-                                 num_kv_heads=num_kv_heads, num_threads=num_slots)
+                                 num_threads=num_slots)
     covered = {}
-    for seq, head, begin, end, part in plan.items:
-        covered.setdefault((seq, head), []).append((begin, end))
-    assert set(covered) == {(s, h) for s in range(len(seq_lens)) for h in range(num_kv_heads)}
-    for (seq, _), pieces in covered.items():
+    for seq, begin, end, part in plan.items:
+        covered.setdefault(seq, []).append((begin, end, part))
+    assert set(covered) == set(range(len(seq_lens)))
+    for seq, pieces in covered.items():
         pieces.sort()
         assert pieces[0][0] == 0 and pieces[-1][1] == -(-seq_lens[seq] // page_size)
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert (len(pieces) > 1) == (pieces[0][2] >= 0)
+    assert sorted(plan.split_seqs[:, 0].tolist()) == [s for s, p in covered.items() if len(p) > 1]
     assert plan.slot_indptr[0] == 0 and plan.slot_indptr[-1] == len(plan.items)
     assert np.all(np.diff(plan.slot_indptr) >= 0)
-    costs = [sum(e - b + 1 for _, _, b, e, _ in plan.items[plan.slot_indptr[i]:plan.slot_indptr[i + 1]])
+    costs = [sum(e - b + 1 for _, b, e, _ in plan.items[plan.slot_indptr[i]:plan.slot_indptr[i + 1]])
              for i in range(num_slots)]
     min_chunk = max(1, attention.MIN_SPLIT_TOKENS // page_size)
     assert max(costs) <= -(-sum(costs) // num_slots) + 2 * (min_chunk + 1)

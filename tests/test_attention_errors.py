@@ -62,10 +62,10 @@ def test_bad_arguments(kv, changes, error, message):
 
 
 def test_plan_for_other_lengths_is_refused(kv):
-    plan = attention.plan_decode([20, 6], page_size=16, num_kv_heads=2)
+    plan = attention.plan_decode([20, 6], page_size=16)
     with pytest.raises(ValueError, match="expected a plan made for these seq_lens"):
         decode(kv, plan=plan)
-    decode(kv, plan=attention.plan_decode(kv.seq_lens, page_size=16, num_kv_heads=2))
+    decode(kv, plan=attention.plan_decode(kv.seq_lens, page_size=16))
 
 
 @pytest.mark.parametrize("qo_indptr, message", [

@@ -1,0 +1,41 @@
+"""Software prefetch of the next page of a sequence.
+
+Hardware prefetchers follow a stream only within a 4 KiB memory page, and a paged KV cache jumps to
+an unrelated address at every page boundary. While a kernel computes one page of a sequence, it asks
+for the next page of that sequence's own page table, so the data is on its way when needed (the
+design note prefetched physical page id + 1, which belongs to some other sequence, or to nobody).
+"""
+
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+CACHE_LINE = 64
+
+
+@intrinsic
+def prefetch_address(typingctx, address):
+    """Emit ``llvm.prefetch`` (read, keep in all cache levels) for an integer address."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+            ir.VoidType(), [i8p, i32, i32, i32]))
+        pointer = builder.inttoptr(args[0], i8p)
+        builder.call(fn, [pointer, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(address), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_page(cache, page, head, num_tokens):
+    """Prefetch the first ``num_tokens`` rows of ``cache[page, head]`` (a [page_size, head_dim] block)."""
+    block = cache[page, head]
+    start = block.ctypes.data
+    end = start + num_tokens * block.shape[1] * block.itemsize
+    for address in range(start, end, CACHE_LINE):
+        prefetch_address(address)
