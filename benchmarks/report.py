@@ -48,6 +48,37 @@ def allocator_tables(benchmarks):
     return "\n".join(lines + [""] + growth)
 
 
+def attention_tables(benchmarks):
+    roof = [b for b in benchmarks if b["extra_info"].get("kind") == "roof"]
+    if not roof:
+        return ""
+    roof_gbs = roof[0]["extra_info"]["kv_bytes"] / roof[0]["stats"]["min"] / 1e9
+    cases = defaultdict(dict)
+    for bench in benchmarks:
+        info = bench["extra_info"]
+        if info.get("kind") == "decode":
+            cases[(info["shape"], info["dtype"])][info["impl"]] = (bench["stats"]["median"], info["kv_bytes"])
+    lines = [f"Streaming-read roof (same run, same threads): {roof_gbs:.1f} GB/s", "",
+             "| shape | KV dtype | pagekv GB/s | % of roof | paged ÷ contiguous time | prefetch ÷ none "
+             "| × torch SDPA (dense) | × NumPy gather |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (shape, dtype), impls in sorted(cases.items()):
+        time, nbytes = impls["pagekv"]
+        gbs = nbytes / time / 1e9
+
+        def ratio(name, inverse=False):
+            if name not in impls:
+                return "—"
+            value = impls[name][0] / time
+            return f"{1 / value if inverse else value:.2f}×" if not inverse else f"{time / impls[name][0]:.2f}"
+
+        lines.append(f"| {shape} | {dtype} | {gbs:.1f} | {100 * gbs / roof_gbs:.0f}% "
+                     f"| {ratio('pagekv contiguous', inverse=True)} | "
+                     f"{impls['pagekv prefetch'][0] / time:.2f} | {ratio('torch sdpa (dense)')} "
+                     f"| {ratio('numpy gather')} |")
+    return "\n".join(lines)
+
+
 def main(path):
     with open(path) as f:
         data = json.load(f)
@@ -55,7 +86,9 @@ def main(path):
     print(f"Machine: {machine.get('cpu', {}).get('brand_raw', '?')}, "
           f"{machine.get('cpu', {}).get('count', '?')} cores; Python {machine['python_version']}; "
           f"run {data['datetime'][:10]}\n")
-    print(allocator_tables(data["benchmarks"]))
+    if any("pages_per_call" in b["extra_info"] for b in data["benchmarks"]):
+        print(allocator_tables(data["benchmarks"]))
+    print(attention_tables(data["benchmarks"]))
 
 
 if __name__ == "__main__":

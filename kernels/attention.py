@@ -26,7 +26,7 @@ from numba import njit, prange
 
 from pagekv.kernels._dtypes import page_as_f32
 from pagekv.kernels._math import fast_exp
-from pagekv.kernels.prefetch import prefetch_page
+from pagekv.kernels.prefetch import prefetch_lines as _prefetch_lines
 
 # Not fastmath=True: that implies no-NaN/no-inf and would break -inf masking. These flags let LLVM
 # reorder sums (vectorised dot products) and fuse multiply-adds, and nothing more.
@@ -163,7 +163,7 @@ def _finish_row(acc_row, m_r, l_r, out_row):
 
 @njit(parallel=True, **_JIT)
 def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
-           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch):
+           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_lines):
     """Decode attention over planned work items.
 
     A work item is one sequence over a run of its pages, all KV heads at once: in the HND layout
@@ -176,7 +176,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     where part = -1 writes out/lse directly and part >= 0 writes part_out [num_parts,
     num_q_heads, head_dim] and part_lse [num_parts, num_q_heads] for :func:`merge_parts`.
     slot_indptr : int32 [num_slots + 1], items of slot i are items[slot_indptr[i]:slot_indptr[i + 1]].
-    alibi_slopes : float32 [num_q_heads] or empty. prefetch : bool, prefetch the next page.
+    alibi_slopes : float32 [num_q_heads] or empty. prefetch_lines : int, cache lines of each head
+    block of the next page to prefetch while computing the current page (0: none).
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_q_heads = q.shape[1]
@@ -204,12 +205,12 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                 page = block_table[seq, p]
                 key0 = p * page_size
                 num_tokens = min(page_size, seq_len - key0)
-                next_page = block_table[seq, p + 1] if prefetch and p + 1 < page_end else -1
+                next_page = block_table[seq, p + 1] if prefetch_lines and p + 1 < page_end else -1
                 masked = window > 0 and key0 <= seq_len - 1 - window
                 for head in range(num_kv_heads):
                     if next_page >= 0:  # spread over the heads: a burst would fill the miss queue
-                        prefetch_page(k_cache, next_page, head, page_size)
-                        prefetch_page(v_cache, next_page, head, page_size)
+                        _prefetch_lines(k_cache, next_page, head, prefetch_lines)
+                        _prefetch_lines(v_cache, next_page, head, prefetch_lines)
                     kb = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
                     vb = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
                     _fold_page(qs, head * group, group, kb, vb, num_tokens, key0, qpos, masked,

@@ -1,0 +1,147 @@
+"""The attention benchmark shapes and the implementations compared on them (one registry for the
+benchmarks and for their correctness check in test_attention_cases.py).
+
+Shapes (decode, page size 16):
+- S1 batch decode: 16 sequences x 2,048 tokens, 32 query heads, 8 KV heads, head_dim 128;
+- S2 long context: 1 sequence x 32,768 tokens, same heads;
+- S3 small MHA: 64 sequences x 512 tokens, 16/16 heads, head_dim 64.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from pagekv import attention
+
+SHAPES = {
+    "tiny": dict(num_seqs=3, seq_len=100, num_q_heads=8, num_kv_heads=2, head_dim=64),
+    "S1": dict(num_seqs=16, seq_len=2048, num_q_heads=32, num_kv_heads=8, head_dim=128),
+    "S2": dict(num_seqs=1, seq_len=32768, num_q_heads=32, num_kv_heads=8, head_dim=128),
+    "S3": dict(num_seqs=64, seq_len=512, num_q_heads=16, num_kv_heads=16, head_dim=64),
+}
+PAGE_SIZE = 16
+KINDS = ("float32", "bfloat16")
+
+
+@dataclass
+class DecodeProblem:
+    """One decode step's inputs, in paged (random page order) and dense contiguous forms."""
+
+    q: np.ndarray               # float32 [num_seqs, num_q_heads, head_dim]
+    k_cache: np.ndarray         # [num_pages, num_kv_heads, page_size, head_dim], float32 or uint16
+    v_cache: np.ndarray
+    block_table: np.ndarray     # int32 [num_seqs, pages_per_seq], random page order
+    contiguous_table: np.ndarray  # int32, the same data if the pages were laid out in order
+    k_contiguous: np.ndarray
+    v_contiguous: np.ndarray
+    seq_lens: np.ndarray        # int32 [num_seqs]
+    kind: str
+
+    @property
+    def kv_bytes(self):
+        """Bytes of K and V one decode step must read."""
+        shape = self.k_cache.shape
+        tokens = int(self.seq_lens.sum())
+        return 2 * tokens * shape[1] * shape[3] * self.k_cache.itemsize
+
+
+@functools.lru_cache(maxsize=2)
+def problem(shape, kind):
+    cfg = SHAPES[shape]
+    rng = np.random.default_rng(0)
+    pages_per_seq = -(-cfg["seq_len"] // PAGE_SIZE)
+    num_pages = cfg["num_seqs"] * pages_per_seq
+    order = rng.permutation(num_pages).astype(np.int32)
+    cache_shape = (num_pages, cfg["num_kv_heads"], PAGE_SIZE, cfg["head_dim"])
+    k = rng.standard_normal(cache_shape, dtype=np.float32)
+    v = rng.standard_normal(cache_shape, dtype=np.float32)
+    if kind == "bfloat16":
+        k = (k.view(np.uint32) >> 16).astype(np.uint16)
+        v = (v.view(np.uint32) >> 16).astype(np.uint16)
+    contiguous = np.arange(num_pages, dtype=np.int32).reshape(cfg["num_seqs"], pages_per_seq)
+    table = order.reshape(cfg["num_seqs"], pages_per_seq)
+    # The contiguous copy holds logical page p of sequence s at physical page s * pages + p.
+    k_contiguous, v_contiguous = k[table.ravel()], v[table.ravel()]
+    q = rng.standard_normal((cfg["num_seqs"], cfg["num_q_heads"], cfg["head_dim"]), dtype=np.float32)
+    lens = np.full(cfg["num_seqs"], cfg["seq_len"], np.int32)
+    return DecodeProblem(q, k, v, table, contiguous, k_contiguous, v_contiguous, lens, kind)
+
+
+def as_float32(storage, kind):
+    return storage if kind == "float32" else (storage.astype(np.uint32) << 16).view(np.float32)
+
+
+# ----------------------------------------------------------------------------------- implementations
+def pagekv_decode(p, *, contiguous=False, prefetch=False):
+    """pagekv's decode kernel, plan made once (as a step does for all its layers)."""
+    plan = attention.plan_decode(p.seq_lens, page_size=PAGE_SIZE)
+    out = np.empty_like(p.q)
+    k, v = (p.k_contiguous, p.v_contiguous) if contiguous else (p.k_cache, p.v_cache)
+    table = p.contiguous_table if contiguous else p.block_table
+
+    def run():
+        return attention.paged_decode_attention(p.q, k, v, table, p.seq_lens, out=out, plan=plan,
+                                                prefetch=prefetch)
+    return run
+
+
+def numpy_gather_decode(p):
+    """What a NumPy user writes today: gather the pages into a dense array, then dense attention."""
+    num_seqs, num_q_heads, head_dim = p.q.shape
+    num_kv_heads = p.k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / np.sqrt(head_dim)
+
+    def run():
+        out = np.empty_like(p.q)
+        for s in range(num_seqs):
+            pages = p.block_table[s]
+            k = as_float32(p.k_cache[pages], p.kind)  # [pages, heads, page_size, head_dim]
+            v = as_float32(p.v_cache[pages], p.kind)
+            k = k.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :p.seq_lens[s]]
+            v = v.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :p.seq_lens[s]]
+            q = p.q[s].reshape(num_kv_heads, group, head_dim)
+            scores = q @ k.transpose(0, 2, 1) * scale          # [kv_heads, group, tokens]
+            scores = np.exp(scores - scores.max(-1, keepdims=True))
+            scores /= scores.sum(-1, keepdims=True)
+            out[s] = (scores @ v).reshape(num_q_heads, head_dim)
+        return out
+    return run
+
+
+def torch_sdpa_decode(p):
+    """torch's scaled_dot_product_attention on a dense, contiguous cache (the cache users keep today)."""
+    import torch
+
+    num_seqs, num_q_heads, head_dim = p.q.shape
+    num_kv_heads = p.k_cache.shape[1]
+    dtype = torch.float32 if p.kind == "float32" else torch.bfloat16
+
+    def dense(cache):
+        # [num_seqs, heads, tokens, head_dim] from the contiguous copy (pages in sequence order)
+        tensor = torch.from_numpy(cache.view(np.int16) if p.kind == "bfloat16" else cache)
+        if p.kind == "bfloat16":
+            tensor = tensor.view(torch.bfloat16)
+        pages = cache.shape[0] // num_seqs
+        dense = tensor.reshape(num_seqs, pages, num_kv_heads, -1, head_dim).transpose(1, 2).reshape(
+            num_seqs, num_kv_heads, -1, head_dim)
+        return dense[:, :, :int(p.seq_lens[0])].contiguous()  # every sequence has the same length
+
+    k, v = dense(p.k_contiguous), dense(p.v_contiguous)
+    q = torch.from_numpy(p.q).to(dtype).unsqueeze(2)  # [num_seqs, num_q_heads, 1, head_dim]
+
+    def run():
+        with torch.inference_mode():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return run
+
+
+def streaming_read(num_bytes=1 << 29):
+    """The machine's streaming-read roof: a vectorised parallel sum over a 512 MiB array."""
+    from pagekv.kernels.bandwidth import stream_sum
+
+    data = np.ones(num_bytes // 4, np.float32)
+    threads = numba.get_num_threads()
+    return lambda: stream_sum(data, threads), data.nbytes

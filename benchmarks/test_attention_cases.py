@@ -1,0 +1,25 @@
+"""Every implementation in the attention benchmark computes the same attention (on a small shape)."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from attention_cases import KINDS, numpy_gather_decode, pagekv_decode, problem, streaming_read, torch_sdpa_decode
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_implementations_agree(kind):
+    p = problem("tiny", kind)
+    expected = numpy_gather_decode(p)()
+    np.testing.assert_allclose(pagekv_decode(p)(), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(pagekv_decode(p, prefetch=True)(), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(pagekv_decode(p, contiguous=True)(), expected, rtol=1e-4, atol=1e-5)
+    if importlib.util.find_spec("torch") is not None:
+        got = torch_sdpa_decode(p)().float().squeeze(2).numpy()
+        np.testing.assert_allclose(got, expected, rtol=0.05 if kind == "bfloat16" else 1e-4, atol=2e-2)
+
+
+def test_streaming_read_sums_every_element():
+    run, num_bytes = streaming_read(1 << 20)
+    assert run() == num_bytes // 4

@@ -1,0 +1,49 @@
+"""torch CPU tensors go through the attention wrappers without copies (runs where torch is installed)."""
+
+import numpy as np
+import pytest
+
+from kv_builders import PagedKV
+from pagekv import attention
+from pagekv.reference import attention as reference
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_decode_on_torch_caches_matches_numpy(dtype):
+    kv = PagedKV(np.random.default_rng(0), [33, 7], num_kv_heads=2, head_dim=64, page_size=16,
+                 kind="float32")
+    torch_dtype = getattr(torch, dtype)
+    k = torch.from_numpy(kv.k).to(torch_dtype)
+    v = torch.from_numpy(kv.v).to(torch_dtype)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch_dtype)
+    out = attention.paged_decode_attention(q, k, v, torch.from_numpy(kv.block_table),
+                                           torch.from_numpy(kv.seq_lens).long())
+    assert isinstance(out, torch.Tensor) and out.dtype == torch_dtype and out.shape == q.shape
+    expected, _ = reference.decode(q.float().numpy(), k.float().numpy(), v.float().numpy(),
+                                   kv.block_table, kv.seq_lens)
+    tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    np.testing.assert_allclose(out.float().numpy(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_out_and_cache_writes_land_in_the_callers_storage():
+    k = torch.zeros(4, 1, 16, 64, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    new = torch.ones(2, 1, 64, dtype=torch.bfloat16)
+    attention.write_kv(new, new * 2, k, v, torch.tensor([17, 3]))
+    assert k[1, 0, 1].float().eq(1).all() and v[0, 0, 3].float().eq(2).all()  # written in place
+    q = torch.ones(1, 1, 64, dtype=torch.bfloat16)
+    out = torch.full((1, 1, 64), float("nan"), dtype=torch.bfloat16)
+    result = attention.paged_decode_attention(q, k, v, torch.tensor([[0, 1]], dtype=torch.int32),
+                                              torch.tensor([18], dtype=torch.int32), out=out)
+    assert result is out and not torch.isnan(out).any()
+
+
+def test_non_cpu_or_non_float_tensors_are_refused():
+    k = torch.zeros(4, 1, 16, 64, dtype=torch.float64)
+    with pytest.raises(TypeError, match="expected float32, float16 or bfloat16 for k_cache, got torch.float64"):
+        attention.paged_decode_attention(torch.zeros(1, 1, 64), k, k, [[0]], [1])
+    meta = torch.zeros(4, 1, 16, 64, device="meta")
+    with pytest.raises(ValueError, match="expected a CPU tensor for k_cache, got device meta"):
+        attention.paged_decode_attention(torch.zeros(1, 1, 64), meta, meta, [[0]], [1])
