@@ -6,6 +6,7 @@ kernels walk the page tables directly.
 """
 
 from pagekv._alloc import PageAllocator
+from pagekv.cache import KVCache
 from pagekv.errors import (
     InvalidPageError,
     InvariantError,
@@ -14,11 +15,18 @@ from pagekv.errors import (
     PageStateError,
     UnknownSequenceError,
 )
+from pagekv.manager import Batch, KVCacheManager, ManagerStats
+from pagekv.spec import KVCacheSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PageAllocator",
+    "KVCacheSpec",
+    "KVCache",
+    "KVCacheManager",
+    "ManagerStats",
+    "Batch",
     "PagekvError",
     "OutOfPagesError",
     "InvalidPageError",

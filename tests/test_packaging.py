@@ -35,7 +35,8 @@ def test_kernels_folder_is_installed_as_pagekv_kernels():
     assert pathlib.Path(kernels.__file__).parent == PACKAGE_DIR / "kernels"
 
 
-@pytest.mark.parametrize("module", ["pagekv._alloc"])
+@pytest.mark.parametrize("module", ["pagekv._alloc", "pagekv.manager", "pagekv.spec", "pagekv.cache",
+                                    "pagekv.tables", "pagekv.attention"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

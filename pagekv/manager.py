@@ -1,0 +1,492 @@
+"""KVCacheManager: sequences of tokens -> page tables, with sharing, copy-on-write and prefix caching.
+
+The policy layer over :class:`pagekv.PageAllocator` (DESIGN.md §4). It decides which pages a
+sequence gets; it never moves KV data (the caller runs ``write_kv`` at the returned slots and
+``copy_pages`` for the pending copies) and never touches the allocator's bits.
+
+Reference counting: every page in a page table holds one reference per table, and a page in the
+prefix cache holds one more, owned by the cache. Invariant (checked by :meth:`check`):
+``refcount(page) == table references + (1 if cached)``.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagekv._alloc import PageAllocator
+from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
+from pagekv.prefix import ROOT_KEY, PrefixCache, chain_keys
+from pagekv.tables import csr_from_padded, slots_of_last_tokens
+
+__all__ = ["KVCacheManager", "ManagerStats", "Batch"]
+
+_MAX_TOKEN = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """A snapshot of a manager's occupancy (frozen and comparable).
+
+    ``pages_cached`` counts pages held only by the prefix cache (evictable);
+    ``fragmentation_tokens`` is allocated slots minus tokens over every table; ``sharing_factor`` is
+    logical pages (summed over tables) per physical page referenced by a table (1.0 = no sharing).
+    """
+
+    num_seqs: int
+    num_tokens: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    fragmentation_tokens: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    sharing_factor: float
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Kernel inputs for a batch of sequences (arrays are new: a gather of the manager's rows).
+
+    block_table : int32 [num_seqs, max_pages_per_seq]; seq_lens : int32 [num_seqs]; with ``csr``:
+    kv_indptr int32 [num_seqs + 1], kv_indices int32 [total pages], kv_last_page_len int32
+    [num_seqs]; with ``num_new_tokens``: slot_mapping int32 [total new tokens].
+    """
+
+    block_table: np.ndarray
+    seq_lens: np.ndarray
+    kv_indptr: np.ndarray | None = None
+    kv_indices: np.ndarray | None = None
+    kv_last_page_len: np.ndarray | None = None
+    slot_mapping: np.ndarray | None = None
+
+
+class _Sequence:
+    __slots__ = ("row", "last_key", "partial")
+
+    def __init__(self, row, last_key, partial):
+        self.row = row            # index into block_table / seq_lens
+        self.last_key = last_key  # prefix key of the last full page (ROOT_KEY before the first)
+        self.partial = partial    # token ids of the last, not yet full page (prefix caching only)
+
+
+class KVCacheManager:
+    """Page tables for many sequences over one pool of pages.
+
+    Parameters
+    ----------
+    num_pages : int
+        Size of the page pool.
+    page_size : int
+        Tokens per page.
+    max_seqs, max_pages_per_seq : int
+        Shape of the preallocated page tables.
+    enable_prefix_caching : bool
+        Reuse full pages whose token prefix was seen before.
+
+    Attributes
+    ----------
+    block_table : int32 [max_seqs, max_pages_per_seq]
+        Updated in place; a sequence's row is fixed while it lives. Entries past its pages are stale.
+    seq_lens : int32 [max_seqs]
+        Tokens of each row (0 for a free row).
+
+    Notes
+    -----
+    Contract with the caller: write the KV of every slot that ``add_sequence``/``append`` hand out
+    (after running ``take_pending_copies``) before a forward pass reads it. A new sequence's full
+    prompt pages enter the prefix cache at once, so a second sequence with the same prompt in the same
+    batch shares them.
+
+    Examples
+    --------
+    >>> m = KVCacheManager(num_pages=64, page_size=4, max_seqs=8, max_pages_per_seq=16)
+    >>> m.add_sequence("a", [1, 2, 3, 4, 5, 6])
+    0
+    >>> m.add_sequence("b", [1, 2, 3, 4, 9])          # first page (4 tokens) is cached
+    4
+    >>> m.append_tokens(["a", "b"], [7, 10]).tolist()  # slots of the two new tokens
+    [6, 9]
+    """
+
+    def __init__(self, *, num_pages, page_size=16, max_seqs, max_pages_per_seq,
+                 enable_prefix_caching=True):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                            ("max_seqs", max_seqs), ("max_pages_per_seq", max_pages_per_seq)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"expected {name} a positive integer, got {value!r}")
+        if (num_pages - 1) * page_size + page_size - 1 > _MAX_TOKEN:
+            raise ValueError(f"expected num_pages * page_size below 2**31 (int32 slots), "
+                             f"got {num_pages} * {page_size}")
+        self.page_size = int(page_size)
+        self.max_pages_per_seq = int(max_pages_per_seq)
+        self.allocator = PageAllocator(num_pages)
+        self.block_table = np.zeros((max_seqs, max_pages_per_seq), np.int32)
+        self.seq_lens = np.zeros(max_seqs, np.int32)
+        self.prefix = PrefixCache() if enable_prefix_caching else None
+        self._seqs: dict = {}
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._pending: list[tuple[int, int]] = []
+        self._hit_tokens = 0
+        self._query_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def seq_len(self, seq_id) -> int:
+        """Tokens of ``seq_id``."""
+        return int(self.seq_lens[self._get(seq_id).row])
+
+    def page_table(self, seq_id) -> np.ndarray:
+        """int32 [num_pages_of_seq]: the physical page of each logical page (a copy)."""
+        row = self._get(seq_id).row
+        return self.block_table[row, :self._num_pages(self.seq_lens[row])].copy()
+
+    def can_add(self, token_ids) -> bool:
+        """Whether ``add_sequence`` of ``token_ids`` would get its pages and a row now."""
+        tokens = _tokens(token_ids)
+        pages = self._num_pages(len(tokens))
+        if not self._free_rows or pages > self.max_pages_per_seq:
+            return False
+        hit = self._hit_pages(self._keys(tokens), len(tokens))
+        return pages - len(hit) <= self._obtainable(set(hit))
+
+    def can_append(self, seq_id, num_tokens=1) -> bool:
+        """Whether ``append`` of ``num_tokens`` tokens to ``seq_id`` would get its pages now."""
+        row = self._get(seq_id).row
+        try:
+            needed = self._pages_for_append(row, int(num_tokens))
+        except ValueError:
+            return False
+        return needed <= self._obtainable(())
+
+    def stats(self) -> ManagerStats:
+        """Occupancy and prefix-cache figures (see :class:`ManagerStats`)."""
+        lens = self.seq_lens[[s.row for s in self._seqs.values()]].astype(np.int64)
+        logical = int(((lens + self.page_size - 1) // self.page_size).sum())
+        cached_only = len(self.prefix.evictable) if self.prefix is not None else 0
+        physical = self.allocator.num_used - cached_only
+        return ManagerStats(
+            num_seqs=len(self._seqs), num_tokens=int(lens.sum()),
+            pages_used=self.allocator.num_used, pages_free=self.allocator.num_free,
+            pages_cached=cached_only, fragmentation_tokens=logical * self.page_size - int(lens.sum()),
+            prefix_hit_tokens=self._hit_tokens, prefix_query_tokens=self._query_tokens,
+            sharing_factor=logical / physical if physical else 1.0)
+
+    def batch(self, seq_ids, *, csr=False, num_new_tokens=None) -> Batch:
+        """Kernel inputs for ``seq_ids``, in that order.
+
+        Parameters
+        ----------
+        seq_ids : sequence of ids
+        csr : bool
+            Also build FlashInfer's CSR page tables.
+        num_new_tokens : int or int array [num_seqs], optional
+            Also build the slot_mapping of each sequence's last ``num_new_tokens`` tokens.
+        """
+        rows = np.fromiter((self._get(s).row for s in seq_ids), np.int64, len(seq_ids))
+        lens = self.seq_lens[rows]
+        table = self.block_table[rows]
+        extra = {}
+        if csr:
+            extra.update(zip(("kv_indptr", "kv_indices", "kv_last_page_len"),
+                             csr_from_padded(table, lens, self.page_size)))
+        if num_new_tokens is not None:
+            extra["slot_mapping"] = slots_of_last_tokens(table, lens, num_new_tokens, self.page_size)
+        return Batch(table, lens, **extra)
+
+    def take_pending_copies(self):
+        """The copy-on-write copies queued since the last call, and clear the queue.
+
+        Returns
+        -------
+        src, dst : int32 [num_copies]
+            Run ``copy_pages(k_cache, v_cache, src, dst)`` for every layer before writing KV.
+        """
+        pairs, self._pending = self._pending, []
+        src = np.array([s for s, _ in pairs], np.int32)
+        dst = np.array([d for _, d in pairs], np.int32)
+        return src, dst
+
+    # ------------------------------------------------------------------ actions
+    def add_sequence(self, seq_id, token_ids) -> int:
+        """Give a new sequence the pages of its prompt.
+
+        Returns
+        -------
+        int
+            Leading tokens whose KV is already cached (a prefix hit: skip computing them). Always
+            less than the prompt's length: the last token is computed, for its logits.
+
+        Raises
+        ------
+        ValueError
+            ``seq_id`` already held, no free row, a prompt longer than ``max_pages_per_seq`` pages,
+            or bad tokens.
+        OutOfPagesError
+            Not enough pages even after evicting the prefix cache; nothing changed.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
+        tokens = _tokens(token_ids)
+        num_pages = self._num_pages(len(tokens))
+        self._check_capacity(num_pages, len(tokens))
+        if not self._free_rows:
+            raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
+        keys = self._keys(tokens)
+        hit = self._hit_pages(keys, len(tokens))
+        fresh = self._take_pages(num_pages - len(hit), keep=set(hit))
+        if hit:
+            self.allocator.incref(hit)
+            for page in hit:
+                self.prefix.evictable.pop(page, None)
+        row = self._free_rows.pop()
+        self.block_table[row, :len(hit)] = hit
+        self.block_table[row, len(hit):num_pages] = fresh
+        self.seq_lens[row] = len(tokens)
+        self._cache_pages(keys[len(hit):], self.block_table[row, len(hit):len(keys)])
+        full = len(keys) * self.page_size
+        self._seqs[seq_id] = _Sequence(row, keys[-1] if keys else ROOT_KEY,
+                                       tokens[full:].tolist() if self.prefix is not None else None)
+        self._hit_tokens += len(hit) * self.page_size
+        self._query_tokens += len(tokens)
+        return len(hit) * self.page_size
+
+    def append(self, seq_id, token_ids) -> np.ndarray:
+        """Grow ``seq_id`` by ``token_ids``; returns int32 [num_tokens] slots to write their KV at.
+
+        A partly filled last page shared with another sequence is first replaced by a fresh page,
+        and a (src, dst) copy is queued (:meth:`take_pending_copies`): a shared page is never a
+        write slot.
+        """
+        seq = self._get(seq_id)
+        tokens = _tokens(token_ids)
+        row, length = seq.row, int(self.seq_lens[seq.row])
+        needed = self._pages_for_append(row, len(tokens))
+        cow_src = self._shared_partial_page(row, length)
+        fresh = self._take_pages(needed, keep=())
+        first_new = self._num_pages(length)
+        if cow_src is not None:
+            self._redirect(row, first_new - 1, cow_src, int(fresh[0]))
+            fresh = fresh[1:]
+        end = self._num_pages(length + len(tokens))
+        self.block_table[row, first_new:end] = fresh
+        positions = np.arange(length, length + len(tokens))
+        slots = self.block_table[row, positions // self.page_size] * self.page_size + \
+            (positions % self.page_size).astype(np.int32)
+        self.seq_lens[row] = length + len(tokens)
+        if self.prefix is not None:
+            self._extend_keys(seq, tokens.tolist())
+        return slots.astype(np.int32)
+
+    def append_tokens(self, seq_ids, token_ids) -> np.ndarray:
+        """The decode step: one new token for each of ``seq_ids``, all-or-nothing.
+
+        Pages for the sequences that cross a page boundary (and for copy-on-write) are taken with
+        one allocator call. Returns int32 [num_seqs] slots, in ``seq_ids`` order.
+        """
+        seqs = [self._get(s) for s in seq_ids]
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("expected distinct seq_ids in one decode step, got a repeated id")
+        tokens = _tokens(token_ids, allow_empty=True)
+        if len(tokens) != len(seqs):
+            raise ValueError(f"expected one token per sequence ({len(seqs)}), got {len(tokens)}")
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        lens = self.seq_lens[rows].astype(np.int64)
+        ps = self.page_size
+        crossing = np.flatnonzero(lens % ps == 0)
+        if len(crossing) and (lens[crossing] // ps).max() >= self.max_pages_per_seq:
+            i = crossing[np.argmax(lens[crossing] // ps)]
+            raise ValueError(f"expected sequences within max_pages_per_seq={self.max_pages_per_seq} "
+                             f"pages, got {seq_ids[i]!r} needing page {lens[i] // ps + 1}")
+        shared = self._sharers_to_copy(rows, lens)
+        fresh = self._take_pages(len(crossing) + len(shared), keep=())
+        self.block_table[rows[crossing], lens[crossing] // ps] = fresh[:len(crossing)]
+        for i, dst in zip(shared, fresh[len(crossing):]):
+            self._redirect(rows[i], (lens[i] - 1) // ps, int(self.block_table[rows[i], (lens[i] - 1) // ps]),
+                           int(dst))
+        slots = self.block_table[rows, lens // ps] * ps + (lens % ps).astype(np.int32)
+        self.seq_lens[rows] += 1
+        if self.prefix is not None:
+            for seq, token in zip(seqs, tokens.tolist()):
+                self._extend_keys(seq, [token])
+        return slots.astype(np.int32)
+
+    def fork(self, src_id, dst_id) -> None:
+        """Make ``dst_id`` a copy of ``src_id`` that shares every page (refcounts up, no copy)."""
+        src = self._get(src_id)
+        if dst_id in self._seqs:
+            raise ValueError(f"expected a new dst_id, got {dst_id!r}, which is already held")
+        if not self._free_rows:
+            raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
+        length = self.seq_lens[src.row]
+        pages = self.block_table[src.row, :self._num_pages(length)]
+        self.allocator.incref(pages)
+        row = self._free_rows.pop()
+        self.block_table[row, :len(pages)] = pages
+        self.seq_lens[row] = length
+        self._seqs[dst_id] = _Sequence(row, src.last_key,
+                                       list(src.partial) if src.partial is not None else None)
+
+    def free(self, seq_id) -> None:
+        """Release ``seq_id``'s pages; cached pages no sequence uses become evictable."""
+        seq = self._get(seq_id)
+        pages = self.block_table[seq.row, :self._num_pages(self.seq_lens[seq.row])][::-1].copy()
+        self.allocator.decref(pages)  # tail first: the LRU evicts a prefix's deep pages first
+        if self.prefix is not None and len(self.prefix):
+            counts = self.allocator.refcount(pages)
+            for page, count in zip(pages.tolist(), counts.tolist()):
+                if count == 1 and page in self.prefix.key_of:
+                    self.prefix.evictable[page] = None
+        del self._seqs[seq_id]
+        self.seq_lens[seq.row] = 0
+        self._free_rows.append(seq.row)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached page; pages no sequence uses return to the pool."""
+        if self.prefix is not None:
+            pages = self.prefix.clear()
+            if pages:
+                self.allocator.decref(pages)
+
+    def check(self) -> None:
+        """Audit the reference-count invariant and the allocator in O(num_pages); raise InvariantError."""
+        self.allocator.check()
+        expected = np.zeros(self.allocator.num_pages, np.int64)
+        for seq in self._seqs.values():
+            np.add.at(expected, self.block_table[seq.row, :self._num_pages(self.seq_lens[seq.row])], 1)
+        if self.prefix is not None:
+            expected[list(self.prefix.key_of)] += 1
+            for page in self.prefix.evictable:
+                if expected[page] != 1:
+                    raise InvariantError(f"page {page} is evictable but has other holders")
+        actual = self.allocator.refcount(np.arange(self.allocator.num_pages))
+        bad = np.flatnonzero(actual != expected)
+        if len(bad):
+            raise InvariantError(f"page {bad[0]}: refcount {actual[bad[0]]}, expected {expected[bad[0]]} "
+                                 "(table references + 1 if cached)")
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, seq_id) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(f"expected a held sequence id, got {seq_id!r}") from None
+
+    def _num_pages(self, num_tokens) -> int:
+        return -(-int(num_tokens) // self.page_size)
+
+    def _check_capacity(self, num_pages, num_tokens):
+        if num_pages > self.max_pages_per_seq:
+            raise ValueError(f"expected at most {self.max_pages_per_seq * self.page_size} tokens "
+                             f"(max_pages_per_seq={self.max_pages_per_seq}), got {num_tokens}")
+
+    def _keys(self, tokens):
+        """Prefix keys of the full pages of a new sequence (none without prefix caching)."""
+        return chain_keys(tokens, self.page_size) if self.prefix is not None else []
+
+    def _hit_pages(self, keys, num_tokens):
+        hit = self.prefix.lookup(keys) if self.prefix is not None else []
+        if len(hit) * self.page_size == num_tokens:
+            hit = hit[:-1]  # recompute the last page: the caller needs the last token's logits
+        return hit
+
+    def _obtainable(self, keep) -> int:
+        """Pages an allocation could get: free ones plus evictable ones outside ``keep``."""
+        evictable = len(self.prefix.evictable) - len(keep & self.prefix.evictable.keys()) \
+            if self.prefix is not None else 0
+        return self.allocator.num_free + evictable
+
+    def _take_pages(self, count, *, keep):
+        """Allocate ``count`` pages, evicting cached pages (never those in ``keep``) if needed.
+
+        Raises before changing anything when even eviction cannot supply them.
+        """
+        if count == 0:
+            return np.empty(0, np.int32)
+        shortfall = count - self.allocator.num_free
+        if shortfall > 0:
+            obtainable = self._obtainable(keep)
+            if count > obtainable:
+                raise OutOfPagesError(count, obtainable)
+            self.allocator.decref(self.prefix.evict(shortfall, keep=keep))
+        return self.allocator.allocate(count)
+
+    def _pages_for_append(self, row, num_tokens):
+        length = int(self.seq_lens[row])
+        end = self._num_pages(length + num_tokens)
+        self._check_capacity(end, length + num_tokens)
+        cow = self._shared_partial_page(row, length) is not None
+        return end - self._num_pages(length) + cow
+
+    def _shared_partial_page(self, row, length):
+        """The last page if it is partly filled and shared (it must be copied before a write)."""
+        if length % self.page_size == 0:
+            return None
+        page = int(self.block_table[row, length // self.page_size])
+        return page if self.allocator.refcount([page])[0] > 1 else None
+
+    def _sharers_to_copy(self, rows, lens):
+        """Indices of the batch whose partly filled last page is shared and must be copied.
+
+        Sharers are taken in batch order and the page's last holder keeps it: a page with refcount
+        r shared by k sequences of the batch is copied min(k, r - 1) times, never r times (which
+        would free the source before the copy runs).
+        """
+        partial = np.flatnonzero(lens % self.page_size != 0)
+        if not len(partial):
+            return partial
+        last_pages = self.block_table[rows[partial], (lens[partial] - 1) // self.page_size]
+        counts = self.allocator.refcount(last_pages)
+        copies_left = {}
+        chosen = []
+        for i, page, count in zip(partial.tolist(), last_pages.tolist(), counts.tolist()):
+            if count > 1:
+                left = copies_left.setdefault(page, count - 1)
+                if left:
+                    chosen.append(i)
+                    copies_left[page] = left - 1
+        return np.array(chosen, np.int64)
+
+    def _redirect(self, row, index, src, dst):
+        """Copy-on-write: table entry ``index`` moves from shared page src to fresh page dst."""
+        self.block_table[row, index] = dst
+        self._pending.append((src, dst))
+        self.allocator.decref_one(src)
+
+    def _cache_pages(self, keys, pages):
+        """Offer full pages to the prefix cache; the cache takes a reference on each it keeps."""
+        taken = [int(p) for key, p in zip(keys, pages) if self.prefix.insert(key, int(p))]
+        if taken:
+            self.allocator.incref(taken)
+
+    def _extend_keys(self, seq, tokens):
+        """Track appended tokens; each page they fill enters the prefix cache."""
+        seq.partial.extend(tokens)
+        ps = self.page_size
+        while len(seq.partial) >= ps:
+            full_index = self._num_pages(self.seq_lens[seq.row] - len(seq.partial) + ps) - 1
+            key = chain_keys(np.array(seq.partial[:ps], np.int32), ps, seq.last_key)[0]
+            self._cache_pages([key], [self.block_table[seq.row, full_index]])
+            seq.last_key = key
+            del seq.partial[:ps]
+
+
+def _tokens(token_ids, *, allow_empty=False):
+    """token_ids as an int32 array, checked: 1-D, integers, within [0, 2**31 - 1]."""
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise ValueError(f"expected a 1-D sequence of token ids, got shape {array.shape}")
+    if array.size == 0:
+        if allow_empty:
+            return np.empty(0, np.int32)
+        raise ValueError("expected at least one token id, got none")
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"expected integer token ids, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high > _MAX_TOKEN:
+        raise ValueError(f"expected token ids in [0, 2**31 - 1], got {low if low < 0 else high}")
+    return array.astype(np.int32, copy=False)

@@ -1,0 +1,101 @@
+"""Prefix cache: full pages keyed by a hash chain of their tokens, and an LRU of evictable pages.
+
+A full page's key is ``blake2b(parent_key + token_ids_of_the_page)``, so a key names the whole
+prefix up to and including that page, is the same in every process and every Python run (unlike
+``hash()``, which is salted per process), and a lookup walks keys from the first page until the
+first miss. This module is bookkeeping only: the manager owns the references that the cache holds.
+"""
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+__all__ = ["ROOT_KEY", "chain_keys", "PrefixCache"]
+
+ROOT_KEY = b"pagekv-prefix-v1"  # parent of a sequence's first page; versioned in case keys change
+
+
+def chain_keys(tokens, page_size, parent=ROOT_KEY):
+    """Keys of the full pages of ``tokens``, chained from ``parent``.
+
+    Parameters
+    ----------
+    tokens : int32 ndarray [num_tokens]
+        Token ids (the int32 bytes, little-endian, are what is hashed).
+    page_size : int
+    parent : bytes
+        Key of the page before ``tokens[0]`` (``ROOT_KEY`` at the start of a sequence).
+
+    Returns
+    -------
+    list of bytes
+        One 16-byte key per full page.
+    """
+    data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    step = 4 * page_size
+    keys = []
+    for start in range(0, len(data) - step + 1, step):
+        parent = hashlib.blake2b(parent + data[start:start + step], digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+class PrefixCache:
+    """Which page holds each cached prefix page, and which cached pages no sequence uses.
+
+    Invariants (the manager keeps them): every cached page holds one reference owned by the cache;
+    a cached page is in ``evictable`` exactly when that is its only reference. Eviction order is
+    least recently released first; a sequence's pages are released tail first, so a prefix's deep
+    pages go before its shared head.
+    """
+
+    def __init__(self) -> None:
+        self.page_of: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.key_of)
+
+    def lookup(self, keys):
+        """Pages of the longest run of ``keys`` from the first that are all cached."""
+        pages = []
+        for key in keys:
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def insert(self, key, page) -> bool:
+        """Cache ``page`` under ``key``; False (nothing done) if the key or the page is cached already."""
+        if key in self.page_of or page in self.key_of:
+            return False
+        self.page_of[key] = page
+        self.key_of[page] = key
+        return True
+
+    def evict(self, count, *, keep=()):
+        """Forget the ``count`` least recently released evictable pages, except those in ``keep``.
+
+        Returns the evicted pages (the caller drops the cache's reference on each).
+        """
+        victims = []
+        for page in self.evictable:
+            if len(victims) == count:
+                break
+            if page not in keep:
+                victims.append(page)
+        for page in victims:
+            del self.evictable[page]
+            del self.page_of[self.key_of.pop(page)]
+        return victims
+
+    def clear(self):
+        """Forget every cached page; returns them (the caller drops the cache's references)."""
+        pages = list(self.key_of)
+        self.page_of.clear()
+        self.key_of.clear()
+        self.evictable.clear()
+        return pages

@@ -1,0 +1,228 @@
+"""ReferenceKVCacheManager: the plain-Python twin of :class:`pagekv.KVCacheManager`.
+
+Page tables are lists, every sequence keeps all its tokens, prefix keys are recomputed from those
+tokens, and the LRU is a list: slow and obvious. It follows the same policy (which pages are hits,
+which cached page is evicted first, when copy-on-write happens), so a test can demand the same
+answers, with page ids equal up to renaming.
+"""
+
+import hashlib
+
+from pagekv.errors import OutOfPagesError, UnknownSequenceError
+from pagekv.reference.allocator import ReferencePageAllocator
+
+__all__ = ["ReferenceKVCacheManager"]
+
+ROOT_KEY = b"pagekv-prefix-v1"
+
+
+def prefix_keys(tokens, page_size):
+    """Key of every full page: blake2b-128 of (previous key + the page's int32 little-endian ids)."""
+    keys, key = [], ROOT_KEY
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = b"".join(int(t).to_bytes(4, "little") for t in tokens[start:start + page_size])
+        key = hashlib.blake2b(key + page, digest_size=16).digest()
+        keys.append(key)
+    return keys
+
+
+class ReferenceKVCacheManager:
+    def __init__(self, *, num_pages, page_size=16, max_seqs, max_pages_per_seq,
+                 enable_prefix_caching=True):
+        self.allocator = ReferencePageAllocator(num_pages)
+        self.page_size = page_size
+        self.max_seqs = max_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        self.caching = enable_prefix_caching
+        self.tables: dict = {}       # seq_id -> [page, ...]
+        self.tokens: dict = {}       # seq_id -> [token, ...]
+        self.offered: dict = {}      # seq_id -> full pages already offered to the cache
+        self.page_of: dict = {}      # key -> page
+        self.key_of: dict = {}       # page -> key
+        self.lru: list = []          # pages held only by the cache, least recently released first
+        self.pending: list = []
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _pages(self, num_tokens):
+        return -(-num_tokens // self.page_size)
+
+    def _tokens(self, token_ids):
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("expected at least one token id, got none")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+            raise TypeError("expected integer token ids")
+        if any(not 0 <= t <= 2**31 - 1 for t in tokens):
+            raise ValueError("expected token ids in [0, 2**31 - 1]")
+        return tokens
+
+    def _seq(self, seq_id):
+        if seq_id not in self.tables:
+            raise UnknownSequenceError(f"expected a held sequence id, got {seq_id!r}")
+        return self.tables[seq_id]
+
+    def _take(self, count, keep):
+        if count == 0:
+            return []
+        if count > self.allocator.num_free:
+            evictable = [p for p in self.lru if p not in keep]
+            if count > self.allocator.num_free + len(evictable):
+                raise OutOfPagesError(count, self.allocator.num_free + len(evictable))
+            victims = evictable[:count - self.allocator.num_free]
+            for page in victims:
+                self.lru.remove(page)
+                del self.page_of[self.key_of.pop(page)]
+            self.allocator.decref(victims)
+        return self.allocator.allocate(count)
+
+    def _offer_full_pages(self, seq_id):
+        """Offer each newly full page to the cache, in order; the cache keeps a reference."""
+        if not self.caching:
+            return
+        keys = prefix_keys(self.tokens[seq_id], self.page_size)
+        for index in range(self.offered[seq_id], len(keys)):
+            page = self.tables[seq_id][index]
+            if keys[index] not in self.page_of and page not in self.key_of:
+                self.page_of[keys[index]] = page
+                self.key_of[page] = keys[index]
+                self.allocator.incref([page])
+        self.offered[seq_id] = len(keys)
+
+    def _copy_on_write(self, seq_id, dst):
+        table = self.tables[seq_id]
+        src = table[-1]
+        table[-1] = dst
+        self.pending.append((src, dst))
+        self.allocator.decref([src])
+
+    # ------------------------------------------------------------------ the contract
+    def add_sequence(self, seq_id, token_ids):
+        if seq_id in self.tables:
+            raise ValueError(f"expected a new seq_id, got {seq_id!r}")
+        tokens = self._tokens(token_ids)
+        num_pages = self._pages(len(tokens))
+        if num_pages > self.max_pages_per_seq:
+            raise ValueError("expected a prompt within max_pages_per_seq")
+        if len(self.tables) == self.max_seqs:
+            raise ValueError("expected at most max_seqs sequences")
+        hit = []
+        if self.caching:
+            for key in prefix_keys(tokens, self.page_size):
+                if key not in self.page_of:
+                    break
+                hit.append(self.page_of[key])
+        if len(hit) * self.page_size == len(tokens):
+            hit = hit[:-1]
+        fresh = self._take(num_pages - len(hit), set(hit))
+        if hit:
+            self.allocator.incref(hit)
+            self.lru = [p for p in self.lru if p not in hit]
+        self.tables[seq_id] = hit + fresh
+        self.tokens[seq_id] = tokens
+        self.offered[seq_id] = len(hit)
+        self._offer_full_pages(seq_id)
+        self.hit_tokens += len(hit) * self.page_size
+        self.query_tokens += len(tokens)
+        return len(hit) * self.page_size
+
+    def append(self, seq_id, token_ids):
+        table = self._seq(seq_id)
+        tokens = self._tokens(token_ids)
+        length = len(self.tokens[seq_id])
+        end = self._pages(length + len(tokens))
+        if end > self.max_pages_per_seq:
+            raise ValueError("expected a sequence within max_pages_per_seq")
+        cow = length % self.page_size != 0 and self.allocator.refcount([table[-1]])[0] > 1
+        fresh = self._take(end - len(table) + cow, set())
+        if cow:
+            self._copy_on_write(seq_id, fresh.pop(0))
+        table.extend(fresh)
+        self.tokens[seq_id].extend(tokens)
+        self._offer_full_pages(seq_id)
+        return [table[p // self.page_size] * self.page_size + p % self.page_size
+                for p in range(length, length + len(tokens))]
+
+    def append_tokens(self, seq_ids, token_ids):
+        tables = [self._seq(s) for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("expected distinct seq_ids")
+        tokens = list(token_ids)
+        if len(tokens) != len(seq_ids):
+            raise ValueError("expected one token per sequence")
+        if tokens:
+            self._tokens(tokens)
+        lengths = [len(self.tokens[s]) for s in seq_ids]
+        crossing = [i for i, n in enumerate(lengths) if n % self.page_size == 0]
+        if any(lengths[i] // self.page_size >= self.max_pages_per_seq for i in crossing):
+            raise ValueError("expected sequences within max_pages_per_seq")
+        # Sequentially, each sharer of a partly filled page copies it while someone else still
+        # holds it; the last holder keeps it.
+        holders = {}
+        shared = []
+        for i, n in enumerate(lengths):
+            if n % self.page_size:
+                page = tables[i][-1]
+                holders.setdefault(page, self.allocator.refcount([page])[0])
+                if holders[page] > 1:
+                    shared.append(i)
+                    holders[page] -= 1
+        fresh = self._take(len(crossing) + len(shared), set())
+        for i, page in zip(crossing, fresh):
+            tables[i].append(page)
+        for i, page in zip(shared, fresh[len(crossing):]):
+            self._copy_on_write(seq_ids[i], page)
+        slots = []
+        for seq_id, table, length, token in zip(seq_ids, tables, lengths, tokens):
+            slots.append(table[length // self.page_size] * self.page_size + length % self.page_size)
+            self.tokens[seq_id].append(token)
+            self._offer_full_pages(seq_id)
+        return slots
+
+    def fork(self, src_id, dst_id):
+        table = self._seq(src_id)
+        if dst_id in self.tables:
+            raise ValueError(f"expected a new dst_id, got {dst_id!r}")
+        if len(self.tables) == self.max_seqs:
+            raise ValueError("expected at most max_seqs sequences")
+        self.allocator.incref(table)
+        self.tables[dst_id] = list(table)
+        self.tokens[dst_id] = list(self.tokens[src_id])
+        self.offered[dst_id] = self.offered[src_id]
+
+    def free(self, seq_id):
+        table = self._seq(seq_id)
+        released = table[::-1]
+        self.allocator.decref(released)
+        for page in released:
+            if page in self.key_of and self.allocator.refcount([page])[0] == 1:
+                self.lru.append(page)
+        del self.tables[seq_id], self.tokens[seq_id], self.offered[seq_id]
+
+    def clear_prefix_cache(self):
+        pages = list(self.key_of)
+        self.page_of.clear()
+        self.key_of.clear()
+        self.lru.clear()
+        if pages:
+            self.allocator.decref(pages)
+
+    def take_pending_copies(self):
+        pairs, self.pending = self.pending, []
+        return pairs
+
+    def seq_len(self, seq_id):
+        self._seq(seq_id)
+        return len(self.tokens[seq_id])
+
+    def stats(self):
+        """The same fields as ManagerStats, as a dict."""
+        num_tokens = sum(len(t) for t in self.tokens.values())
+        logical = sum(len(t) for t in self.tables.values())
+        physical = self.allocator.num_used - len(self.lru)
+        return dict(num_seqs=len(self.tables), num_tokens=num_tokens,
+                    pages_used=self.allocator.num_used, pages_free=self.allocator.num_free,
+                    pages_cached=len(self.lru), fragmentation_tokens=logical * self.page_size - num_tokens,
+                    prefix_hit_tokens=self.hit_tokens, prefix_query_tokens=self.query_tokens,
+                    sharing_factor=logical / physical if physical else 1.0)

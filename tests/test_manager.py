@@ -1,0 +1,285 @@
+"""KVCacheManager: behaviour on real KV data, the design note's scenario, bad input, stats."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError,
+                    attention)
+from pagekv.prefix import chain_keys
+
+
+def snapshot(m):
+    """Everything observable about a manager's state."""
+    pages = np.arange(m.allocator.num_pages)
+    prefix = None if m.prefix is None else (dict(m.prefix.page_of), list(m.prefix.evictable))
+    return (m.block_table.tobytes(), m.seq_lens.tobytes(), m.allocator.free_pages().tolist(),
+            m.allocator.refcount(pages).tolist(), prefix, sorted(m._seqs, key=str), m.stats())
+
+
+# ---------------------------------------------------------------------------------- real KV content
+class Engine:
+    """A manager backed by a real KVCache: each token's K and V hold its (sequence, position) tag."""
+
+    def __init__(self, **options):
+        self.m = KVCacheManager(**options)
+        spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, page_size=self.m.page_size,
+                           dtype="float32")
+        self.cache = KVCache(spec, options["num_pages"])
+        self.expected = {}  # seq_id -> list of per-token values
+
+    def write(self, seq_id, slots, values):
+        src, dst = self.m.take_pending_copies()
+        if len(src):
+            attention.copy_pages(self.cache.k(0), self.cache.v(0), src, dst)
+        kv = np.array([[[v, -v]] for v in values], np.float32)
+        attention.write_kv(kv, kv, self.cache.k(0), self.cache.v(0), slots)
+        self.expected.setdefault(seq_id, []).extend(values)
+
+    def add(self, seq_id, tokens):
+        cached = self.m.add_sequence(seq_id, tokens)
+        table = self.m.page_table(seq_id)
+        positions = np.arange(cached, len(tokens))
+        slots = table[positions // self.m.page_size] * self.m.page_size + positions % self.m.page_size
+        self.expected[seq_id] = [float(t) for t in tokens[:cached]]
+        self.write(seq_id, slots, [float(t) for t in tokens[cached:]])
+        return cached
+
+    def append(self, seq_id, tokens):
+        self.write(seq_id, self.m.append(seq_id, tokens), [float(t) for t in tokens])
+
+    def decode(self, seq_ids, tokens):
+        slots = self.m.append_tokens(seq_ids, tokens)
+        src, dst = self.m.take_pending_copies()
+        if len(src):
+            attention.copy_pages(self.cache.k(0), self.cache.v(0), src, dst)
+        for seq_id, slot, token in zip(seq_ids, slots, tokens):
+            kv = np.array([[[token, -token]]], np.float32)
+            attention.write_kv(kv, kv, self.cache.k(0), self.cache.v(0), [slot])
+            self.expected[seq_id].append(float(token))
+
+    def fork(self, src, dst):
+        self.m.fork(src, dst)
+        self.expected[dst] = list(self.expected[src])
+
+    def verify(self):
+        seq_ids = list(self.m._seqs)
+        batch = self.m.batch(seq_ids)
+        k, _, indptr = attention.gather_kv(self.cache.k(0), self.cache.v(0), batch.block_table,
+                                           batch.seq_lens)
+        for i, seq_id in enumerate(seq_ids):
+            assert k[indptr[i]:indptr[i + 1], 0, 0].tolist() == self.expected[seq_id], seq_id
+        self.m.check()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_every_sequence_reads_back_its_own_tokens(caching):
+    e = Engine(num_pages=40, page_size=4, max_seqs=8, max_pages_per_seq=16, enable_prefix_caching=caching)
+    system = list(range(100, 110))  # 10 tokens: 2 full pages + 2
+    assert e.add("a", system + [1, 2, 3]) == 0
+    hit = e.add("b", system + [7])
+    assert hit == (8 if caching else 0)
+    e.fork("a", "a2")                       # shares a's partial last page
+    e.append("a", [4, 5])                  # copy-on-write of the shared partial page
+    e.decode(["a2", "b"], [9, 8])          # a2 writes into its own (now unshared) page
+    e.fork("b", "b2")
+    e.decode(["b", "b2", "a"], [50, 51, 6])  # both sharers of b's partial page in one step
+    e.append("b2", list(range(60, 75)))
+    e.verify()
+    e.m.free("a")
+    e.add("c", system + [1, 2, 3, 4, 5, 6])  # a's pages, cached, are reused where they match
+    e.verify()
+    for seq_id in list(e.m._seqs):
+        e.m.free(seq_id)
+    e.m.clear_prefix_cache()
+    assert e.m.allocator.num_free == 40
+    e.m.check()
+
+
+def test_design_note_scenario_paging_admits_what_contiguous_reservation_cannot():
+    """Requests whose real lengths fit the pool but whose maximum lengths, reserved contiguously,
+    do not: the design note's 128K / 512 / 64K requests, scaled down by 1024."""
+    page_size = 16
+    max_lengths = [128, 1, 64, 96, 32]      # tokens each may grow to, x1024 in the note
+    real_lengths = [40, 1, 30, 20, 10]      # tokens each actually reaches
+    num_pages = -(-sum(real_lengths) // page_size) + len(real_lengths)  # each may waste < 1 page
+    pool_tokens = num_pages * page_size
+    assert sum(max_lengths) > pool_tokens, "contiguous reservation of the maxima must not fit"
+    m = KVCacheManager(num_pages=num_pages, page_size=page_size, max_seqs=8, max_pages_per_seq=16,
+                       enable_prefix_caching=False)
+    for i, n in enumerate(real_lengths):
+        m.add_sequence(i, [i] * n)
+    assert len(m) == len(real_lengths)
+    m.check()
+
+
+def test_out_of_pages_evicts_the_prefix_cache_first_then_refuses_without_change():
+    m = KVCacheManager(num_pages=6, page_size=2, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", [1, 2, 3, 4, 5])   # 3 pages, 2 of them cached
+    m.free("a")                            # the 2 cached pages stay, evictable; 1 page freed
+    assert m.stats().pages_cached == 2 and m.stats().pages_free == 4
+    m.add_sequence("b", [9] * 12)          # needs 6: evicts both cached pages
+    assert m.stats().pages_cached == 0 and m.stats().pages_free == 0
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError) as info:
+        m.add_sequence("c", [1])
+    assert (info.value.requested, info.value.available) == (1, 0)
+    with pytest.raises(OutOfPagesError):
+        m.append("b", [1])
+    with pytest.raises(OutOfPagesError):
+        m.append_tokens(["b"], [1])
+    assert snapshot(m) == before
+    assert not m.can_add([1]) and not m.can_append("b")
+
+
+def test_out_of_pages_with_a_partial_hit_changes_nothing():
+    m = KVCacheManager(num_pages=5, page_size=2, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", [1, 2, 3, 4, 5])
+    m.free("a")
+    m.add_sequence("x", [7, 7])            # 1 page; free: 1, evictable: 2
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError) as info:  # hit on [1, 2] (kept): needs 4, can get 3
+        m.add_sequence("b", [1, 2, 3] + [9] * 7)
+    assert (info.value.requested, info.value.available) == (4, 3)
+    assert snapshot(m) == before
+
+
+def test_stats_by_hand():
+    m = KVCacheManager(num_pages=20, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(10)))   # 3 pages (2 cached), 2 slots wasted
+    m.fork("a", "b")                        # shares all 3
+    stats = m.stats()
+    assert stats.num_seqs == 2 and stats.num_tokens == 20
+    assert stats.pages_used == 3 and stats.pages_free == 17 and stats.pages_cached == 0
+    assert stats.fragmentation_tokens == 2 * 12 - 20
+    assert stats.sharing_factor == 6 / 3
+    m.add_sequence("c", list(range(9)))     # hits the 2 cached pages (8 tokens)
+    stats = m.stats()
+    assert (stats.prefix_hit_tokens, stats.prefix_query_tokens) == (8, 19)
+    assert stats == m.stats() and hash(stats) == hash(m.stats())
+
+
+def test_whole_prompt_cached_still_leaves_the_last_token_to_compute():
+    m = KVCacheManager(num_pages=20, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(8)))
+    assert m.add_sequence("b", list(range(8))) == 4
+
+
+def test_batch_gives_csr_and_slot_mapping():
+    m = KVCacheManager(num_pages=20, page_size=4, max_seqs=4, max_pages_per_seq=8,
+                       enable_prefix_caching=False)
+    m.add_sequence("a", list(range(9)))
+    m.add_sequence("b", [1, 2])
+    slots = m.append_tokens(["a", "b"], [5, 6])
+    batch = m.batch(["b", "a"], csr=True, num_new_tokens=1)
+    assert batch.seq_lens.tolist() == [3, 10]
+    assert batch.kv_indptr.tolist() == [0, 1, 4]
+    assert batch.kv_indices.tolist() == m.page_table("b").tolist() + m.page_table("a").tolist()
+    assert batch.kv_last_page_len.tolist() == [3, 2]
+    assert batch.slot_mapping.tolist() == [slots[1], slots[0]]
+
+
+def test_prefix_keys_are_stable_across_processes():
+    tokens = np.arange(64, dtype=np.int32)
+    code = ("import numpy as np; from pagekv.prefix import chain_keys; "
+            "print(chain_keys(np.arange(64, dtype=np.int32), 16)[-1].hex())")
+    outputs = {subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout.strip()
+               for seed in ("1", "2")}
+    assert outputs == {chain_keys(tokens, 16)[-1].hex()}
+
+
+# ---------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def busy():
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=3, max_pages_per_seq=4)
+    m.add_sequence("a", list(range(6)))
+    m.fork("a", "b")
+    return m
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: m.append("zz", [1]), UnknownSequenceError, "expected a held sequence id, got 'zz'"),
+    (lambda m: m.free("zz"), UnknownSequenceError, "got 'zz'"),
+    (lambda m: m.fork("zz", "q"), UnknownSequenceError, "got 'zz'"),
+    (lambda m: m.seq_len(["unhashable"]), UnknownSequenceError, "expected a held sequence id"),
+    (lambda m: m.add_sequence("a", [1]), ValueError, "expected a new seq_id, got 'a'"),
+    (lambda m: m.fork("a", "b"), ValueError, "expected a new dst_id, got 'b'"),
+    (lambda m: m.add_sequence("c", []), ValueError, "expected at least one token id"),
+    (lambda m: m.add_sequence("c", [1, -2]), ValueError, r"expected token ids in \[0, 2\*\*31 - 1\], got -2"),
+    (lambda m: m.add_sequence("c", [2**31]), ValueError, "got 2147483648"),
+    (lambda m: m.add_sequence("c", [1.5]), TypeError, "expected integer token ids, got dtype float64"),
+    (lambda m: m.add_sequence("c", [[1, 2]]), ValueError, "expected a 1-D sequence of token ids"),
+    (lambda m: m.add_sequence("c", list(range(17))), ValueError, "expected at most 16 tokens .* got 17"),
+    (lambda m: m.append("a", list(range(11))), ValueError, "expected at most 16 tokens .* got 17"),
+    (lambda m: m.append_tokens(["a", "a"], [1, 2]), ValueError, "distinct seq_ids"),
+    (lambda m: m.append_tokens(["a", "b"], [1]), ValueError, r"one token per sequence \(2\), got 1"),
+    (lambda m: m.append_tokens(["a", "zz"], [1, 2]), UnknownSequenceError, "got 'zz'"),
+    (lambda m: m.batch(["a"], num_new_tokens=7), ValueError, "expected 0 <= num_new_tokens <= seq_lens"),
+])
+def test_bad_input_raises_and_changes_nothing(busy, call, error, message):
+    before = snapshot(busy)
+    with pytest.raises(error, match=message):
+        call(busy)
+    assert snapshot(busy) == before
+
+
+def test_too_many_sequences(busy):
+    busy.add_sequence("c", [1])
+    before = snapshot(busy)
+    with pytest.raises(ValueError, match="expected at most max_seqs=3 sequences"):
+        busy.add_sequence("d", [1])
+    with pytest.raises(ValueError, match="max_seqs"):
+        busy.fork("a", "d")
+    assert snapshot(busy) == before
+
+
+def test_append_tokens_past_max_pages_changes_nothing():
+    m = KVCacheManager(num_pages=16, page_size=2, max_seqs=2, max_pages_per_seq=2)
+    m.add_sequence("a", [1, 2, 3, 4])
+    m.add_sequence("b", [1])
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="max_pages_per_seq=2 pages, got 'a' needing page 3"):
+        m.append_tokens(["b", "a"], [5, 6])
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(num_pages=0), "num_pages"), (dict(page_size=1.5), "page_size"),
+    (dict(max_seqs=True), "max_seqs"), (dict(num_pages=2**30, page_size=4), "below 2\\*\\*31"),
+])
+def test_bad_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        KVCacheManager(**{**dict(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=4), **options})
+
+
+# ---------------------------------------------------------------------------------- spec and storage
+def test_spec_bytes_and_budget():
+    spec = KVCacheSpec(num_layers=80, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
+    assert spec.bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327680
+    assert spec.bytes_per_page == 16 * 327680
+    assert spec.pages_for_budget(spec.bytes_per_page * 3 + 5) == 3
+    # the design note's 128K context on a 70B model (80 layers, 8 KV heads): linear, 40 GiB
+    assert 131072 * spec.bytes_per_token == 40 * 2**30
+    with pytest.raises(ValueError, match="expected dtype one of"):
+        KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="int8")
+    with pytest.raises(ValueError, match="expected head_dim a positive integer"):
+        KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=0)
+
+
+def test_kv_cache_views_and_size():
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
+    cache = KVCache(spec, 5)
+    assert cache.k(2).shape == (5, 2, 4, 8) and cache.k(2).flags.c_contiguous
+    assert cache.nbytes == 5 * spec.bytes_per_page
+    cache.v(1)[3] = 7
+    assert cache.data[1, 1, 3].min() == 7 and cache.k(1).max() == 0
+
+
+def test_kv_cache_too_big_fails_before_touching_memory():
+    spec = KVCacheSpec(num_layers=80, num_kv_heads=8, head_dim=128, dtype="float32")
+    with pytest.raises(MemoryError, match="expected a KV cache within the .* GiB available"):
+        KVCache(spec, 10**7)  # 100 TB

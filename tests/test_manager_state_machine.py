@@ -1,0 +1,147 @@
+"""A Hypothesis state machine runs KVCacheManager and its plain-Python twin side by side.
+
+Tokens come from a small alphabet and prompts often extend earlier ones, so prefix hits, forks of
+shared pages, copy-on-write and eviction all happen. After every step both must agree on every
+answer and on every page table up to a renaming of page ids, and the invariants must hold.
+"""
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
+from pagekv import KVCacheManager
+from pagekv.errors import PagekvError
+from pagekv.reference.manager import ReferenceKVCacheManager
+
+TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=14)
+
+
+def outcome(fn, *args):
+    try:
+        value = fn(*args)
+    except (PagekvError, ValueError, TypeError) as exc:
+        return ("error", type(exc).__name__)
+    if value is None or isinstance(value, int):
+        return ("ok", value)
+    return ("ok", [int(x) for x in value])
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    @initialize(num_pages=st.integers(2, 24), page_size=st.sampled_from([1, 2, 4]),
+                caching=st.booleans())
+    def start(self, num_pages, page_size, caching):
+        options = dict(num_pages=num_pages, page_size=page_size, max_seqs=6, max_pages_per_seq=8,
+                       enable_prefix_caching=caching)
+        self.fast = KVCacheManager(**options)
+        self.twin = ReferenceKVCacheManager(**options)
+        self.prompts = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
+        self.next_id = 0
+        self.last_slots = None
+
+    def both(self, name, *args):
+        got = outcome(getattr(self.fast, name), *args)
+        expected = outcome(getattr(self.twin, name), *args)
+        assert got[0] == expected[0], f"{name}{args}: fast {got} != twin {expected}"
+        if got[0] == "error" or got[1] is None or isinstance(got[1], int):
+            assert got == expected, f"{name}{args}: fast {got} != twin {expected}"
+        else:
+            self.last_slots = (name, got[1], expected[1])  # slots: compared under the page renaming
+        return got[0] == "ok"
+
+    @rule(target=seqs, data=st.data())
+    def add(self, data):
+        base = data.draw(st.sampled_from(self.prompts))
+        prompt = base[:data.draw(st.integers(0, len(base)))] + data.draw(TOKENS)
+        seq_id = self.next_id
+        self.next_id += 1
+        if self.both("add_sequence", seq_id, prompt):
+            self.prompts.append(prompt)
+            return seq_id
+        return -1  # refused (no pages or rows): later rules see an unknown id
+
+    @rule(seq=seqs, tokens=TOKENS)
+    def append(self, seq, tokens):
+        self.both("append", seq, tokens)
+
+    @rule(data=st.data())
+    def decode_step(self, data):
+        live = sorted(self.twin.tables)
+        chosen = data.draw(st.lists(st.sampled_from(live), unique=True)) if live else []
+        self.both("append_tokens", chosen, data.draw(st.lists(st.integers(0, 3), min_size=len(chosen),
+                                                               max_size=len(chosen))))
+
+    @rule(target=seqs, src=seqs)
+    def fork(self, src):
+        dst = self.next_id
+        self.next_id += 1
+        return dst if self.both("fork", src, dst) else -1
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        self.both("free", seq)
+
+    @rule()
+    def clear(self):
+        self.both("clear_prefix_cache")
+
+    @rule(seq=seqs)
+    def unknown_or_known_length(self, seq):
+        self.both("seq_len", seq)
+
+    @invariant()
+    def same_tables_up_to_renaming(self):
+        if not hasattr(self, "fast"):
+            return
+        rename = {}
+
+        def same_page(fast_page, twin_page):
+            assert rename.setdefault(int(fast_page), twin_page) == twin_page, "page renaming broke"
+
+        assert sorted(self.fast._seqs) == sorted(self.twin.tables)
+        for seq_id, table in self.twin.tables.items():
+            fast_table = self.fast.page_table(seq_id)
+            assert len(fast_table) == len(table) and self.fast.seq_len(seq_id) == self.twin.seq_len(seq_id)
+            for f, t in zip(fast_table, table):
+                same_page(f, t)
+        if self.fast.prefix is not None:
+            assert self.fast.prefix.page_of.keys() == self.twin.page_of.keys()
+            for key, page in self.twin.page_of.items():
+                same_page(self.fast.prefix.page_of[key], page)
+            assert [rename[p] for p in self.fast.prefix.evictable] == self.twin.lru
+        assert len(set(rename.values())) == len(rename), "two fast pages map to one twin page"
+        src, dst = self.fast.take_pending_copies()
+        expected = self.twin.take_pending_copies()
+        # A copy's source is still held (by a sharer or the cache), so both ends have names.
+        assert [(rename[int(s)], rename[int(d)]) for s, d in zip(src, dst)] == expected
+        if self.last_slots:
+            name, fast_slots, twin_slots = self.last_slots
+            ps = self.fast.page_size
+            assert [rename[s // ps] * ps + s % ps for s in fast_slots] == twin_slots, name
+            self.last_slots = None
+
+    @invariant()
+    def invariants_and_stats(self):
+        if not hasattr(self, "fast"):
+            return
+        self.fast.check()
+        self.twin.allocator.check()
+        assert self.fast.stats().__dict__ == self.twin.stats()
+        free = set(self.fast.allocator.free_pages().tolist())
+        for seq_id in self.twin.tables:
+            assert free.isdisjoint(self.fast.page_table(seq_id).tolist())
+
+    def teardown(self):
+        if not hasattr(self, "fast"):
+            return
+        for seq_id in list(self.twin.tables):
+            self.fast.free(seq_id)
+        self.fast.clear_prefix_cache()
+        assert self.fast.allocator.num_free == self.fast.allocator.num_pages, "a page leaked"
+        self.fast.check()
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=200, stateful_step_count=40)
