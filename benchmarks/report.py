@@ -79,6 +79,25 @@ def attention_tables(benchmarks):
     return "\n".join(lines)
 
 
+def manager_table(benchmarks):
+    rows = [b for b in benchmarks if b["extra_info"].get("kind") == "manager"]
+    if not rows:
+        return ""
+    lines = ["| operation | implementation | µs per unit | unit |", "|---|---|---|---|"]
+    by_op = defaultdict(dict)
+    for bench in rows:
+        info = bench["extra_info"]
+        per_unit = bench["stats"]["median"] / info["units_per_call"] * 1e6
+        by_op[info["op"]][info["impl"]] = per_unit
+        lines.append(f"| {info['op']} | {info['impl']} | {per_unit:.3f} | {info['unit']} |")
+    for op, impls in by_op.items():
+        if "pagekv" in impls and len(impls) > 1:
+            for name, value in impls.items():
+                if name != "pagekv":
+                    lines.append(f"\n{op}: pagekv is {value / impls['pagekv']:.1f}× faster than {name}")
+    return "\n".join(lines)
+
+
 def main(path):
     with open(path) as f:
         data = json.load(f)
@@ -89,6 +108,7 @@ def main(path):
     if any("pages_per_call" in b["extra_info"] for b in data["benchmarks"]):
         print(allocator_tables(data["benchmarks"]))
     print(attention_tables(data["benchmarks"]))
+    print(manager_table(data["benchmarks"]))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import numpy as np
 
 from pagekv._alloc import PageAllocator
 from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
-from pagekv.prefix import ROOT_KEY, PrefixCache, chain_keys
+from pagekv.prefix import ROOT_KEY, PrefixCache, chain_keys, page_key
 from pagekv.tables import csr_from_padded, slots_of_last_tokens
 
 __all__ = ["KVCacheManager", "ManagerStats", "Batch"]
@@ -58,15 +58,6 @@ class Batch:
     kv_indices: np.ndarray | None = None
     kv_last_page_len: np.ndarray | None = None
     slot_mapping: np.ndarray | None = None
-
-
-class _Sequence:
-    __slots__ = ("row", "last_key", "partial")
-
-    def __init__(self, row, last_key, partial):
-        self.row = row            # index into block_table / seq_lens
-        self.last_key = last_key  # prefix key of the last full page (ROOT_KEY before the first)
-        self.partial = partial    # token ids of the last, not yet full page (prefix caching only)
 
 
 class KVCacheManager:
@@ -123,26 +114,33 @@ class KVCacheManager:
         self.block_table = np.zeros((max_seqs, max_pages_per_seq), np.int32)
         self.seq_lens = np.zeros(max_seqs, np.int32)
         self.prefix = PrefixCache() if enable_prefix_caching else None
-        self._seqs: dict = {}
+        # Per-sequence state lives in rows, like the page tables, so a decode step is array work:
+        self._rows: dict = {}                                   # seq_id -> row
         self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._last_key = [ROOT_KEY] * max_seqs                  # prefix key of the last full page
+        self._tail = np.zeros((max_seqs, page_size), np.int32)  # token ids of the partial last page
         self._pending: list[tuple[int, int]] = []
         self._hit_tokens = 0
         self._query_tokens = 0
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, seq_id) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self._rows
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self._rows)
+
+    def seq_ids(self) -> list:
+        """Ids of the held sequences, in the order they were added."""
+        return list(self._rows)
 
     def seq_len(self, seq_id) -> int:
         """Tokens of ``seq_id``."""
-        return int(self.seq_lens[self._get(seq_id).row])
+        return int(self.seq_lens[self._row(seq_id)])
 
     def page_table(self, seq_id) -> np.ndarray:
         """int32 [num_pages_of_seq]: the physical page of each logical page (a copy)."""
-        row = self._get(seq_id).row
+        row = self._row(seq_id)
         return self.block_table[row, :self._num_pages(self.seq_lens[row])].copy()
 
     def can_add(self, token_ids) -> bool:
@@ -156,7 +154,7 @@ class KVCacheManager:
 
     def can_append(self, seq_id, num_tokens=1) -> bool:
         """Whether ``append`` of ``num_tokens`` tokens to ``seq_id`` would get its pages now."""
-        row = self._get(seq_id).row
+        row = self._row(seq_id)
         try:
             needed = self._pages_for_append(row, int(num_tokens))
         except ValueError:
@@ -165,12 +163,12 @@ class KVCacheManager:
 
     def stats(self) -> ManagerStats:
         """Occupancy and prefix-cache figures (see :class:`ManagerStats`)."""
-        lens = self.seq_lens[[s.row for s in self._seqs.values()]].astype(np.int64)
+        lens = self.seq_lens[list(self._rows.values())].astype(np.int64)
         logical = int(((lens + self.page_size - 1) // self.page_size).sum())
         cached_only = len(self.prefix.evictable) if self.prefix is not None else 0
         physical = self.allocator.num_used - cached_only
         return ManagerStats(
-            num_seqs=len(self._seqs), num_tokens=int(lens.sum()),
+            num_seqs=len(self._rows), num_tokens=int(lens.sum()),
             pages_used=self.allocator.num_used, pages_free=self.allocator.num_free,
             pages_cached=cached_only, fragmentation_tokens=logical * self.page_size - int(lens.sum()),
             prefix_hit_tokens=self._hit_tokens, prefix_query_tokens=self._query_tokens,
@@ -187,7 +185,7 @@ class KVCacheManager:
         num_new_tokens : int or int array [num_seqs], optional
             Also build the slot_mapping of each sequence's last ``num_new_tokens`` tokens.
         """
-        rows = np.fromiter((self._get(s).row for s in seq_ids), np.int64, len(seq_ids))
+        rows = self._rows_of(seq_ids)
         lens = self.seq_lens[rows]
         table = self.block_table[rows]
         extra = {}
@@ -229,7 +227,7 @@ class KVCacheManager:
         OutOfPagesError
             Not enough pages even after evicting the prefix cache; nothing changed.
         """
-        if seq_id in self._seqs:
+        if seq_id in self._rows:
             raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
         tokens = _tokens(token_ids)
         num_pages = self._num_pages(len(tokens))
@@ -249,8 +247,10 @@ class KVCacheManager:
         self.seq_lens[row] = len(tokens)
         self._cache_pages(keys[len(hit):], self.block_table[row, len(hit):len(keys)])
         full = len(keys) * self.page_size
-        self._seqs[seq_id] = _Sequence(row, keys[-1] if keys else ROOT_KEY,
-                                       tokens[full:].tolist() if self.prefix is not None else None)
+        self._last_key[row] = keys[-1] if keys else ROOT_KEY
+        if self.prefix is not None:
+            self._tail[row, :len(tokens) - full] = tokens[full:]
+        self._rows[seq_id] = row
         self._hit_tokens += len(hit) * self.page_size
         self._query_tokens += len(tokens)
         return len(hit) * self.page_size
@@ -262,9 +262,9 @@ class KVCacheManager:
         and a (src, dst) copy is queued (:meth:`take_pending_copies`): a shared page is never a
         write slot.
         """
-        seq = self._get(seq_id)
+        row = self._row(seq_id)
         tokens = _tokens(token_ids)
-        row, length = seq.row, int(self.seq_lens[seq.row])
+        length = int(self.seq_lens[row])
         needed = self._pages_for_append(row, len(tokens))
         cow_src = self._shared_partial_page(row, length)
         fresh = self._take_pages(needed, keep=())
@@ -279,7 +279,7 @@ class KVCacheManager:
             (positions % self.page_size).astype(np.int32)
         self.seq_lens[row] = length + len(tokens)
         if self.prefix is not None:
-            self._extend_keys(seq, tokens.tolist())
+            self._track_tokens(row, length, tokens)
         return slots.astype(np.int32)
 
     def append_tokens(self, seq_ids, token_ids) -> np.ndarray:
@@ -288,13 +288,12 @@ class KVCacheManager:
         Pages for the sequences that cross a page boundary (and for copy-on-write) are taken with
         one allocator call. Returns int32 [num_seqs] slots, in ``seq_ids`` order.
         """
-        seqs = [self._get(s) for s in seq_ids]
-        if len({id(s) for s in seqs}) != len(seqs):
+        rows = self._rows_of(seq_ids)
+        if len(rows) and np.bincount(rows).max() > 1:
             raise ValueError("expected distinct seq_ids in one decode step, got a repeated id")
         tokens = _tokens(token_ids, allow_empty=True)
-        if len(tokens) != len(seqs):
-            raise ValueError(f"expected one token per sequence ({len(seqs)}), got {len(tokens)}")
-        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        if len(tokens) != len(rows):
+            raise ValueError(f"expected one token per sequence ({len(rows)}), got {len(tokens)}")
         lens = self.seq_lens[rows].astype(np.int64)
         ps = self.page_size
         crossing = np.flatnonzero(lens % ps == 0)
@@ -311,39 +310,42 @@ class KVCacheManager:
         slots = self.block_table[rows, lens // ps] * ps + (lens % ps).astype(np.int32)
         self.seq_lens[rows] += 1
         if self.prefix is not None:
-            for seq, token in zip(seqs, tokens.tolist()):
-                self._extend_keys(seq, [token])
+            self._tail[rows, lens % ps] = tokens
+            filled = np.flatnonzero(lens % ps == ps - 1)  # sequences whose page this token filled
+            if len(filled):
+                self._pages_filled(rows[filled], lens[filled] // ps)
         return slots.astype(np.int32)
 
     def fork(self, src_id, dst_id) -> None:
         """Make ``dst_id`` a copy of ``src_id`` that shares every page (refcounts up, no copy)."""
-        src = self._get(src_id)
-        if dst_id in self._seqs:
+        src = self._row(src_id)
+        if dst_id in self._rows:
             raise ValueError(f"expected a new dst_id, got {dst_id!r}, which is already held")
         if not self._free_rows:
             raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
-        length = self.seq_lens[src.row]
-        pages = self.block_table[src.row, :self._num_pages(length)]
+        length = self.seq_lens[src]
+        pages = self.block_table[src, :self._num_pages(length)]
         self.allocator.incref(pages)
         row = self._free_rows.pop()
         self.block_table[row, :len(pages)] = pages
         self.seq_lens[row] = length
-        self._seqs[dst_id] = _Sequence(row, src.last_key,
-                                       list(src.partial) if src.partial is not None else None)
+        self._last_key[row] = self._last_key[src]
+        self._tail[row] = self._tail[src]
+        self._rows[dst_id] = row
 
     def free(self, seq_id) -> None:
         """Release ``seq_id``'s pages; cached pages no sequence uses become evictable."""
-        seq = self._get(seq_id)
-        pages = self.block_table[seq.row, :self._num_pages(self.seq_lens[seq.row])][::-1].copy()
+        row = self._row(seq_id)
+        pages = self.block_table[row, :self._num_pages(self.seq_lens[row])][::-1].copy()
         self.allocator.decref(pages)  # tail first: the LRU evicts a prefix's deep pages first
         if self.prefix is not None and len(self.prefix):
             counts = self.allocator.refcount(pages)
             for page, count in zip(pages.tolist(), counts.tolist()):
                 if count == 1 and page in self.prefix.key_of:
                     self.prefix.evictable[page] = None
-        del self._seqs[seq_id]
-        self.seq_lens[seq.row] = 0
-        self._free_rows.append(seq.row)
+        del self._rows[seq_id]
+        self.seq_lens[row] = 0
+        self._free_rows.append(row)
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached page; pages no sequence uses return to the pool."""
@@ -356,8 +358,8 @@ class KVCacheManager:
         """Audit the reference-count invariant and the allocator in O(num_pages); raise InvariantError."""
         self.allocator.check()
         expected = np.zeros(self.allocator.num_pages, np.int64)
-        for seq in self._seqs.values():
-            np.add.at(expected, self.block_table[seq.row, :self._num_pages(self.seq_lens[seq.row])], 1)
+        for row in self._rows.values():
+            np.add.at(expected, self.block_table[row, :self._num_pages(self.seq_lens[row])], 1)
         if self.prefix is not None:
             expected[list(self.prefix.key_of)] += 1
             for page in self.prefix.evictable:
@@ -370,11 +372,19 @@ class KVCacheManager:
                                  "(table references + 1 if cached)")
 
     # ------------------------------------------------------------------ internals
-    def _get(self, seq_id) -> _Sequence:
+    def _row(self, seq_id) -> int:
         try:
-            return self._seqs[seq_id]
+            return self._rows[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequenceError(f"expected a held sequence id, got {seq_id!r}") from None
+
+    def _rows_of(self, seq_ids) -> np.ndarray:
+        """int64 [len(seq_ids)] rows, or UnknownSequenceError naming the first unknown id."""
+        try:
+            return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, len(seq_ids))
+        except (KeyError, TypeError):
+            unknown = next(s for s in seq_ids if not _is_held(self._rows, s))
+            raise UnknownSequenceError(f"expected a held sequence id, got {unknown!r}") from None
 
     def _num_pages(self, num_tokens) -> int:
         return -(-int(num_tokens) // self.page_size)
@@ -437,18 +447,17 @@ class KVCacheManager:
         would free the source before the copy runs).
         """
         partial = np.flatnonzero(lens % self.page_size != 0)
-        if not len(partial):
-            return partial
         last_pages = self.block_table[rows[partial], (lens[partial] - 1) // self.page_size]
         counts = self.allocator.refcount(last_pages)
+        shared = counts > 1
+        partial, last_pages, counts = partial[shared], last_pages[shared], counts[shared]
         copies_left = {}
         chosen = []
         for i, page, count in zip(partial.tolist(), last_pages.tolist(), counts.tolist()):
-            if count > 1:
-                left = copies_left.setdefault(page, count - 1)
-                if left:
-                    chosen.append(i)
-                    copies_left[page] = left - 1
+            left = copies_left.setdefault(page, count - 1)
+            if left:
+                chosen.append(i)
+                copies_left[page] = left - 1
         return np.array(chosen, np.int64)
 
     def _redirect(self, row, index, src, dst):
@@ -459,20 +468,39 @@ class KVCacheManager:
 
     def _cache_pages(self, keys, pages):
         """Offer full pages to the prefix cache; the cache takes a reference on each it keeps."""
-        taken = [int(p) for key, p in zip(keys, pages) if self.prefix.insert(key, int(p))]
+        if self.prefix is None:
+            return
+        insert = self.prefix.insert
+        taken = [p for key, p in zip(keys, map(int, pages)) if insert(key, p)]
         if taken:
             self.allocator.incref(taken)
 
-    def _extend_keys(self, seq, tokens):
-        """Track appended tokens; each page they fill enters the prefix cache."""
-        seq.partial.extend(tokens)
+    def _track_tokens(self, row, length, tokens):
+        """Record appended tokens in the row's tail; each page they fill enters the prefix cache."""
         ps = self.page_size
-        while len(seq.partial) >= ps:
-            full_index = self._num_pages(self.seq_lens[seq.row] - len(seq.partial) + ps) - 1
-            key = chain_keys(np.array(seq.partial[:ps], np.int32), ps, seq.last_key)[0]
-            self._cache_pages([key], [self.block_table[seq.row, full_index]])
-            seq.last_key = key
-            del seq.partial[:ps]
+        for position in range(length, length + len(tokens), 1):
+            self._tail[row, position % ps] = tokens[position - length]
+            if position % ps == ps - 1:
+                self._pages_filled(np.array([row]), np.array([position // ps]))
+
+    def _pages_filled(self, rows, indices):
+        """Page ``indices[i]`` of ``rows[i]`` just became full (its tokens are the row's tail):
+        key each page from its row's last key and offer them all to the prefix cache."""
+        tails = np.ascontiguousarray(self._tail[rows], dtype="<i4").tobytes()
+        step = 4 * self.page_size
+        keys = []
+        for i, row in enumerate(rows.tolist()):
+            key = page_key(self._last_key[row], tails[i * step:(i + 1) * step])
+            self._last_key[row] = key
+            keys.append(key)
+        self._cache_pages(keys, self.block_table[rows, indices].tolist())
+
+
+def _is_held(rows, seq_id):
+    try:
+        return seq_id in rows
+    except TypeError:
+        return False
 
 
 def _tokens(token_ids, *, allow_empty=False):

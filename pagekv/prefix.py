@@ -11,9 +11,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["ROOT_KEY", "chain_keys", "PrefixCache"]
+__all__ = ["ROOT_KEY", "page_key", "chain_keys", "PrefixCache"]
 
 ROOT_KEY = b"pagekv-prefix-v1"  # parent of a sequence's first page; versioned in case keys change
+
+
+def page_key(parent, token_bytes):
+    """Key of a full page: 16-byte blake2b of its parent's key and its int32 little-endian token ids."""
+    return hashlib.blake2b(parent + token_bytes, digest_size=16).digest()
 
 
 def chain_keys(tokens, page_size, parent=ROOT_KEY):
@@ -36,7 +41,7 @@ def chain_keys(tokens, page_size, parent=ROOT_KEY):
     step = 4 * page_size
     keys = []
     for start in range(0, len(data) - step + 1, step):
-        parent = hashlib.blake2b(parent + data[start:start + step], digest_size=16).digest()
+        parent = page_key(parent, data[start:start + step])
         keys.append(parent)
     return keys
 

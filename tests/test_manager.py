@@ -17,7 +17,7 @@ def snapshot(m):
     pages = np.arange(m.allocator.num_pages)
     prefix = None if m.prefix is None else (dict(m.prefix.page_of), list(m.prefix.evictable))
     return (m.block_table.tobytes(), m.seq_lens.tobytes(), m.allocator.free_pages().tolist(),
-            m.allocator.refcount(pages).tolist(), prefix, sorted(m._seqs, key=str), m.stats())
+            m.allocator.refcount(pages).tolist(), prefix, sorted(m.seq_ids(), key=str), m.stats())
 
 
 # ---------------------------------------------------------------------------------- real KV content
@@ -66,7 +66,7 @@ class Engine:
         self.expected[dst] = list(self.expected[src])
 
     def verify(self):
-        seq_ids = list(self.m._seqs)
+        seq_ids = self.m.seq_ids()
         batch = self.m.batch(seq_ids)
         k, _, indptr = attention.gather_kv(self.cache.k(0), self.cache.v(0), batch.block_table,
                                            batch.seq_lens)
@@ -92,7 +92,7 @@ def test_every_sequence_reads_back_its_own_tokens(caching):
     e.m.free("a")
     e.add("c", system + [1, 2, 3, 4, 5, 6])  # a's pages, cached, are reused where they match
     e.verify()
-    for seq_id in list(e.m._seqs):
+    for seq_id in e.m.seq_ids():
         e.m.free(seq_id)
     e.m.clear_prefix_cache()
     assert e.m.allocator.num_free == 40

@@ -100,7 +100,7 @@ class ManagerMachine(RuleBasedStateMachine):
         def same_page(fast_page, twin_page):
             assert rename.setdefault(int(fast_page), twin_page) == twin_page, "page renaming broke"
 
-        assert sorted(self.fast._seqs) == sorted(self.twin.tables)
+        assert sorted(self.fast.seq_ids()) == sorted(self.twin.tables)
         for seq_id, table in self.twin.tables.items():
             fast_table = self.fast.page_table(seq_id)
             assert len(fast_table) == len(table) and self.fast.seq_len(seq_id) == self.twin.seq_len(seq_id)
