@@ -9,6 +9,7 @@ CYTHON_DIRECTIVES = {
     "language_level": 3,
     "binding": True,
     "embedsignature": True,
+    "embedsignature.format": "clinic",  # __text_signature__, so inspect sees non-binding methods
     "boundscheck": False,
     "wraparound": False,
     "initializedcheck": False,
