@@ -269,19 +269,7 @@ cdef class PageAllocator:
         ndarray of int32, shape (n,)
             0 for a free page.
         """
-        cdef cnp.ndarray ids = _as_index_array(pages, "pages")
-        cdef Py_ssize_t n = cnp.PyArray_SIZE(ids)
-        cdef cnp.ndarray out = _new_int32(n)
-        cdef Py_ssize_t bad = 0
-        cdef Status status
-        with cython.critical_section(self):
-            if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
-                status = self._read_refcounts(<int32_t*>_data(ids), n, <int32_t*>_data(out), &bad)
-            else:
-                status = self._read_refcounts(<int64_t*>_data(ids), n, <int32_t*>_data(out), &bad)
-        if status != OK:
-            self._raise_invalid(ids, bad)
-        return out
+        return self._read(pages, False)
 
     def is_free(self, pages):
         """Whether each of ``pages`` is free (read from the bitmap).
@@ -295,16 +283,21 @@ cdef class PageAllocator:
         -------
         ndarray of bool, shape (n,)
         """
+        return self._read(pages, True)
+
+    cdef cnp.ndarray _read(self, object pages, bint bits):
+        """Refcounts (int32) or free bits (bool) of ``pages``; InvalidPageError for a bad id."""
         cdef cnp.ndarray ids = _as_index_array(pages, "pages")
         cdef Py_ssize_t n = cnp.PyArray_SIZE(ids)
-        cdef cnp.ndarray out = np.empty(n, dtype=np.bool_)
+        cdef cnp.ndarray out = np.empty(n, dtype=np.bool_ if bits else np.int32)
         cdef Py_ssize_t bad = 0
         cdef Status status
+        cdef bint int32_ids = cnp.PyArray_TYPE(ids) == cnp.NPY_INT32
         with cython.critical_section(self):
-            if cnp.PyArray_TYPE(ids) == cnp.NPY_INT32:
-                status = self._read_bits(<int32_t*>_data(ids), n, <cnp.npy_bool*>_data(out), &bad)
+            if int32_ids:
+                status = self._read_state(<int32_t*>_data(ids), n, _data(out), bits, &bad)
             else:
-                status = self._read_bits(<int64_t*>_data(ids), n, <cnp.npy_bool*>_data(out), &bad)
+                status = self._read_state(<int64_t*>_data(ids), n, _data(out), bits, &bad)
         if status != OK:
             self._raise_invalid(ids, bad)
         return out
@@ -628,24 +621,17 @@ cdef class PageAllocator:
         num_freed[0] = k
         return OK
 
-    cdef Status _read_refcounts(self, const index_t* pages, Py_ssize_t n, int32_t* out,
-                                Py_ssize_t* bad) noexcept nogil:
+    cdef Status _read_state(self, const index_t* pages, Py_ssize_t n, void* out, bint bits,
+                            Py_ssize_t* bad) noexcept nogil:
         cdef Py_ssize_t i
         for i in range(n):
             if pages[i] < 0 or pages[i] >= self._num_pages:
                 bad[0] = i
                 return BAD_ID
-            out[i] = self._refcount[pages[i]]
-        return OK
-
-    cdef Status _read_bits(self, const index_t* pages, Py_ssize_t n, cnp.npy_bool* out,
-                           Py_ssize_t* bad) noexcept nogil:
-        cdef Py_ssize_t i
-        for i in range(n):
-            if pages[i] < 0 or pages[i] >= self._num_pages:
-                bad[0] = i
-                return BAD_ID
-            out[i] = _bit_is_set(self._bitmap, pages[i])
+            if bits:
+                (<cnp.npy_bool*>out)[i] = _bit_is_set(self._bitmap, pages[i])
+            else:
+                (<int32_t*>out)[i] = self._refcount[pages[i]]
         return OK
 
     cdef int64_t _audit(self, uint64_t* seen, int64_t* where) noexcept nogil:

@@ -108,6 +108,15 @@ def _query(q, name, num_kv_heads, head_dim):
     return np.ascontiguousarray(_arrays.to_float32(array, kind), dtype=np.float32), kind
 
 
+def _inputs(q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes):
+    """Checked caches, float32 queries and scalar options shared by decode and prefill."""
+    k, v, kind = _caches(k_cache, v_cache)
+    q32, q_kind = _query(q, "q", k.shape[1], k.shape[3])
+    options = _scalar_options(k.shape[3], scale, sliding_window, logits_soft_cap, alibi_slopes,
+                              q32.shape[1])
+    return k, v, kind, q32, q_kind, options
+
+
 def _output(q, kind, shape, out):
     """The caller's out (checked), or a new array like q; plus a float32 buffer the kernel writes."""
     if out is None:
@@ -231,12 +240,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     >>> out.shape
     (1, 2, 64)
     """
-    k, v, kind = _caches(k_cache, v_cache)
+    k, v, kind, q32, q_kind, (scale, window, cap, slopes) = _inputs(
+        q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes)
     num_pages, num_kv_heads, page_size, head_dim = k.shape
-    q32, q_kind = _query(q, "q", num_kv_heads, head_dim)
     num_seqs, num_q_heads = q32.shape[:2]
-    scale, window, cap, slopes = _scalar_options(head_dim, scale, sliding_window, logits_soft_cap,
-                                                 alibi_slopes, num_q_heads)
     table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
     if plan is None:
         plan = plan_decode(lens, page_size=page_size, sliding_window=sliding_window)
@@ -286,12 +293,10 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     out : [num_tokens, num_q_heads, head_dim], q's dtype
     lse : float32 [num_tokens, num_q_heads], only with ``return_lse``
     """
-    k, v, kind = _caches(k_cache, v_cache)
+    k, v, kind, q32, q_kind, (scale, window, cap, slopes) = _inputs(
+        q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes)
     num_pages, num_kv_heads, page_size, head_dim = k.shape
-    q32, q_kind = _query(q, "q", num_kv_heads, head_dim)
     num_tokens, num_q_heads = q32.shape[:2]
-    scale, window, cap, slopes = _scalar_options(head_dim, scale, sliding_window, logits_soft_cap,
-                                                 alibi_slopes, num_q_heads)
     indptr = _arrays.int_array(qo_indptr, "qo_indptr", 1)
     num_seqs = indptr.shape[0] - 1
     if num_seqs < 0 or indptr[0] != 0 or indptr[-1] != num_tokens or np.any(np.diff(indptr) < 0):
