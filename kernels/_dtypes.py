@@ -8,7 +8,7 @@ The widening is emitted as LLVM IR, so the conversion loops vectorise: ``fpext h
 becomes ``vcvtph2ps`` where the CPU has F16C; bfloat16 -> float32 is exact as a 16-bit shift.
 """
 
-from llvmlite import ir
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import types
 from numba.extending import intrinsic, overload
 

@@ -7,7 +7,7 @@ the softmax loops vectorise. Accurate to about 1 ulp; exactly 0 below float32's 
 """
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.extending import intrinsic
 

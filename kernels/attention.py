@@ -20,6 +20,7 @@ How the work is shaped:
 """
 
 import math
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
@@ -33,7 +34,7 @@ from pagekv.kernels.prefetch import prefetch_lines as _prefetch_lines
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 QUERY_BLOCK = 16  # prefill query tokens per work item
 
-_JIT = dict(cache=True, fastmath=FASTMATH, error_model="numpy", nogil=True)
+_JIT: dict[str, Any] = dict(cache=True, fastmath=FASTMATH, error_model="numpy", nogil=True)
 
 
 @njit(**_JIT)

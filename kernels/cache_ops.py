@@ -2,10 +2,12 @@
 into a dense array. They work on any storage dtype (float32, or uint16 bit patterns of float16 and
 bfloat16) because they only move bits."""
 
+from typing import Any
+
 import numpy as np
 from numba import njit, prange
 
-_JIT = dict(cache=True, error_model="numpy", nogil=True)
+_JIT: dict[str, Any] = dict(cache=True, error_model="numpy", nogil=True)
 
 
 @njit(parallel=True, **_JIT)

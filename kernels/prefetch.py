@@ -6,7 +6,7 @@ for the next page of that sequence's own page table, so the data is on its way w
 design note prefetched physical page id + 1, which belongs to some other sequence, or to nobody).
 """
 
-from llvmlite import ir
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.extending import intrinsic
 

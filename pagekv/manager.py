@@ -188,7 +188,7 @@ class KVCacheManager:
         rows = self._rows_of(seq_ids)
         lens = self.seq_lens[rows]
         table = self.block_table[rows]
-        extra = {}
+        extra: dict[str, np.ndarray] = {}
         if csr:
             extra.update(zip(("kv_indptr", "kv_indices", "kv_last_page_len"),
                              csr_from_padded(table, lens, self.page_size)))

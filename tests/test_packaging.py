@@ -23,10 +23,11 @@ def test_stub_and_typed_marker_are_installed():
     assert (PACKAGE_DIR / "py.typed").is_file()
 
 
-def test_stub_matches_the_compiled_module():
-    # -I: the repository folder (the working directory) must not shadow the installed package.
+def test_stub_matches_the_compiled_module(tmp_path):
+    # -I and an empty working directory: mypy searches the working directory too, and the
+    # repository's source folder must not shadow the installed package.
     result = subprocess.run([sys.executable, "-I", "-m", "mypy.stubtest", "pagekv._alloc"],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -55,3 +56,9 @@ def test_readme_examples_run():
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
     result = doctest.testfile(str(readme), module_relative=False, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_package_type_checks(tmp_path):
+    result = subprocess.run([sys.executable, "-I", "-m", "mypy", "-p", "pagekv"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
