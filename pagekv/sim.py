@@ -1,0 +1,342 @@
+"""A continuous-batching serving simulator that drives the real KVCacheManager.
+
+Three KV-memory policies replay the same trace under the same budget:
+
+- ``contiguous``: each admitted request reserves one contiguous extent for its maximum context
+  (prompt + ``max_new_tokens``), first fit in a linear address space — the allocation the design
+  note starts from, with its external fragmentation;
+- ``paged``: pages on demand from :class:`pagekv.KVCacheManager`, prefix caching off;
+- ``paged+prefix``: the same with prefix caching on.
+
+The loop: requests arrive by timestamp and wait in FCFS order; a request is admitted while its
+prompt's memory can be had; each step prefills up to ``prefill_chunk`` prompt tokens (chunked
+prefill) and decodes one token for every sequence whose prefill is done; a finished sequence frees
+its memory; when a decode step cannot get its pages, the most recently admitted sequence is
+preempted (its memory freed, the request requeued at the front to be recomputed from its prompt and
+the tokens generated so far). Time is simulated by :class:`CostModel`, so runs are deterministic.
+"""
+
+import bisect
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from pagekv.errors import OutOfPagesError
+from pagekv.manager import KVCacheManager
+from pagekv.trace import prompt_tokens
+
+__all__ = ["CostModel", "SimConfig", "PolicyResult", "simulate", "POLICIES"]
+
+POLICIES = ("contiguous", "paged", "paged+prefix")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Simulated time of one step (a fixed, documented model of one accelerator):
+
+    ``step = overhead + weights / bandwidth + kv_read / bandwidth + prefill_tokens * 2 * params / flops``
+
+    where ``weights`` are the model's bytes (read once per step), ``kv_read`` the KV bytes of every
+    decoding sequence's context (read once per step), and prefill costs its FLOPs at ``flops``.
+    """
+
+    overhead_s: float = 0.002
+    bandwidth_bytes_s: float = 2.0e12
+    flops: float = 4.0e14
+
+    def step_seconds(self, *, weight_bytes, kv_bytes, prefill_tokens, num_params):
+        if kv_bytes == 0 and prefill_tokens == 0:
+            return 0.0
+        return (self.overhead_s + (weight_bytes + kv_bytes) / self.bandwidth_bytes_s
+                + prefill_tokens * 2.0 * num_params / self.flops)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What is simulated: model, KV budget and serving limits."""
+
+    model: object                   # pagekv.models.ModelShape
+    memory_bytes: int
+    page_size: int = 16
+    dtype: str = "bfloat16"
+    max_seqs: int = 256
+    max_new_tokens: int = 2048
+    prefill_chunk: int = 8192
+    cost: CostModel = field(default_factory=CostModel)
+
+    @property
+    def spec(self):
+        return self.model.spec(page_size=self.page_size, dtype=self.dtype)
+
+    @property
+    def num_pages(self):
+        return self.spec.pages_for_budget(self.memory_bytes)
+
+
+@dataclass
+class PolicyResult:
+    """Every figure of one policy's run (JSON-ready through :meth:`as_dict`)."""
+
+    policy: str
+    completed: int = 0
+    rejected: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    mean_running: float = 0.0
+    peak_memory_fraction: float = 0.0
+    mean_memory_fraction: float = 0.0
+    mean_fragmentation_fraction: float = 0.0
+    prefix_hit_rate: float = 0.0
+    simulated_seconds: float = 0.0
+    output_tokens_per_s: float = 0.0
+    ttft_p50: float = 0.0
+    ttft_p99: float = 0.0
+    latency_p50: float = 0.0
+    latency_p99: float = 0.0
+    timeline: dict = field(default_factory=lambda: {"t": [], "memory": [], "running": []})
+
+    def as_dict(self):
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- memory policies
+class _ContiguousMemory:
+    """First-fit extents of whole maximum contexts in a linear token space."""
+
+    def __init__(self, config):
+        self.capacity = config.num_pages * config.page_size   # tokens that fit in the budget
+        self.free = [(0, self.capacity)]                      # sorted (start, length) extents
+        self.extents = {}                                     # seq -> (start, length)
+        self.max_new = config.max_new_tokens
+        self.tokens = {}
+
+    def fits_ever(self, num_tokens):
+        return num_tokens + self.max_new <= self.capacity
+
+    def admit(self, seq, tokens, output_length):
+        need = len(tokens) + self.max_new  # the server cannot know the output length in advance
+        for i, (start, length) in enumerate(self.free):
+            if length >= need:
+                self.free[i:i + 1] = [(start + need, length - need)] if length > need else []
+                self.extents[seq] = (start, need)
+                self.tokens[seq] = len(tokens)
+                return 0
+        return None
+
+    def decode(self, seqs):
+        for s in seqs:
+            self.tokens[s] += 1  # inside the reservation: never fails
+        return True
+
+    def release(self, seq):
+        start, length = self.extents.pop(seq)
+        del self.tokens[seq]
+        i = bisect.bisect(self.free, (start, length))
+        self.free.insert(i, (start, length))
+        # coalesce with the neighbours
+        if i + 1 < len(self.free) and start + length == self.free[i + 1][0]:
+            self.free[i:i + 2] = [(start, length + self.free[i + 1][1])]
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == self.free[i][0]:
+            self.free[i - 1:i + 1] = [(self.free[i - 1][0], self.free[i - 1][1] + self.free[i][1])]
+
+    def usage(self):
+        """(memory in use, memory in use but holding no token), as fractions of the budget."""
+        stored = sum(self.tokens.values())
+        reserved = sum(length for _, length in self.extents.values())
+        return reserved / self.capacity, (reserved - stored) / self.capacity
+
+    def hit_rate(self):
+        return 0.0
+
+
+class _PagedMemory:
+    """Pages on demand from the real KVCacheManager."""
+
+    def __init__(self, config, *, prefix):
+        self.page_size = config.page_size
+        self.max_pages = -(-(131072 + config.max_new_tokens) // config.page_size)
+        self.m = KVCacheManager(num_pages=config.num_pages, page_size=config.page_size,
+                                max_seqs=config.max_seqs, max_pages_per_seq=self.max_pages,
+                                enable_prefix_caching=prefix)
+        self.capacity_pages = config.num_pages
+
+    def fits_ever(self, num_tokens):
+        pages = -(-(num_tokens + 1) // self.page_size)
+        return pages <= min(self.capacity_pages, self.max_pages)
+
+    def admit(self, seq, tokens, output_length):
+        # Keep a page of headroom per running sequence, so admission does not starve decoding.
+        need = -(-len(tokens) // self.page_size) + len(self.m)
+        stats = self.m.stats()
+        if need > stats.pages_free + stats.pages_cached:
+            return None
+        try:
+            return self.m.add_sequence(seq, tokens)
+        except OutOfPagesError:
+            return None
+
+    def decode(self, seqs):
+        try:
+            self.m.append_tokens(seqs, np.zeros(len(seqs), np.int32))
+            self.m.take_pending_copies()  # no KV data is simulated: nothing to copy
+            return True
+        except OutOfPagesError:
+            return False
+
+    def release(self, seq):
+        self.m.free(seq)
+
+    def usage(self):
+        """(pages held by sequences, their empty slots), as fractions of the budget."""
+        stats = self.m.stats()
+        in_use = (stats.pages_used - stats.pages_cached) / self.capacity_pages
+        return in_use, stats.fragmentation_tokens / (self.capacity_pages * self.page_size)
+
+    def hit_rate(self):
+        stats = self.m.stats()
+        return stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens else 0.0
+
+
+# ----------------------------------------------------------------------------- the serving loop
+class _Running:
+    __slots__ = ("rid", "seq", "prompt", "to_prefill", "generated", "admitted", "first_token")
+
+    def __init__(self, rid, seq, prompt, cached, generated):
+        self.rid, self.seq, self.prompt = rid, seq, prompt
+        self.to_prefill = len(prompt) - cached
+        self.generated = generated
+        self.admitted = 0.0
+        self.first_token = None
+
+
+def simulate(requests, config, policy, *, progress=None, step_hook=None):
+    """Replay ``requests`` under ``policy``; returns a :class:`PolicyResult`.
+
+    Parameters
+    ----------
+    requests : list of pagekv.trace.Request, sorted by arrival
+    config : SimConfig
+    policy : one of POLICIES
+    progress : callable(int), optional
+        Called with the number of requests finished (completed or rejected) since the last call.
+    step_hook : callable(memory, decode_seqs), optional
+        Called after each decode step (``--attention`` runs the real kernel there).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"expected a policy in {POLICIES}, got {policy!r}")
+    memory = (_ContiguousMemory(config) if policy == "contiguous"
+              else _PagedMemory(config, prefix=policy == "paged+prefix"))
+    spec = config.spec
+    weight_bytes = config.model.num_params * spec.itemsize
+    result = PolicyResult(policy)
+    pending = deque(enumerate(requests))        # not yet arrived
+    waiting = deque()                           # arrived: (rid, extra generated tokens)
+    running: list[_Running] = []
+    arrival = {rid: r.arrival for rid, r in enumerate(requests)}
+    ttft, latency = [], []
+    now, next_seq, generated_total = 0.0, 0, 0
+    running_sum = memory_sum = frag_sum = 0.0
+    steps = 0
+
+    def finish(count=1):
+        if progress:
+            progress(count)
+
+    while pending or waiting or running:
+        if not waiting and not running and pending[0][1].arrival > now:
+            now = pending[0][1].arrival
+        while pending and pending[0][1].arrival <= now:
+            rid, request = pending.popleft()
+            waiting.append((rid, 0))
+        # admission, FCFS
+        while waiting and len(running) < config.max_seqs:
+            rid, done = waiting[0]
+            request = requests[rid]
+            prompt = prompt_tokens(request)
+            if done:  # recompute after preemption: the prompt grows by the tokens generated
+                prompt = np.concatenate([prompt, np.zeros(done, np.int32)])
+            if not memory.fits_ever(len(prompt)):
+                waiting.popleft()
+                result.rejected += 1
+                finish()
+                continue
+            cached = memory.admit(next_seq, prompt, request.output_length)
+            if cached is None:
+                break
+            waiting.popleft()
+            entry = _Running(rid, next_seq, prompt, cached, done)
+            entry.admitted = now
+            running.append(entry)
+            next_seq += 1
+        # chunked prefill
+        budget = config.prefill_chunk
+        prefill_tokens = 0
+        for entry in running:
+            if entry.to_prefill and budget:
+                take = min(entry.to_prefill, budget)
+                entry.to_prefill -= take
+                budget -= take
+                prefill_tokens += take
+        # decode one token for every prefilled sequence; preempt the newest on a page shortage
+        decoding = [e for e in running if not e.to_prefill]
+        while decoding and not memory.decode([e.seq for e in decoding]):
+            victim = running.pop()
+            memory.release(victim.seq)
+            waiting.appendleft((victim.rid, victim.generated))
+            result.preemptions += 1
+            decoding = [e for e in running if not e.to_prefill]
+        kv_tokens = sum(len(e.prompt) + e.generated for e in decoding)
+        dt = config.cost.step_seconds(weight_bytes=weight_bytes if (decoding or prefill_tokens) else 0,
+                                      kv_bytes=kv_tokens * spec.bytes_per_token,
+                                      prefill_tokens=prefill_tokens, num_params=config.model.num_params)
+        if step_hook and decoding:
+            step_hook(memory, [e.seq for e in decoding])
+        now += dt
+        still = []
+        decoded = set(map(id, decoding))
+        for entry in running:
+            if id(entry) in decoded:
+                entry.generated += 1
+                generated_total += 1
+                if entry.first_token is None:
+                    entry.first_token = now
+                    ttft.append(now - arrival[entry.rid])
+            if entry.generated >= min(requests[entry.rid].output_length, config.max_new_tokens):
+                memory.release(entry.seq)
+                latency.append(now - arrival[entry.rid])
+                result.completed += 1
+                finish()
+            else:
+                still.append(entry)
+        running = still
+        used, fragmentation = memory.usage()
+        steps += 1
+        running_sum += len(running)
+        memory_sum += used
+        frag_sum += fragmentation
+        result.peak_running = max(result.peak_running, len(running))
+        result.peak_memory_fraction = max(result.peak_memory_fraction, used)
+        if steps % 8 == 0:
+            result.timeline["t"].append(round(now, 4))
+            result.timeline["memory"].append(round(used, 5))
+            result.timeline["running"].append(len(running))
+
+    result.simulated_seconds = now
+    result.mean_running = running_sum / steps if steps else 0.0
+    result.mean_memory_fraction = memory_sum / steps if steps else 0.0
+    result.mean_fragmentation_fraction = frag_sum / steps if steps else 0.0
+    result.prefix_hit_rate = memory.hit_rate()
+    result.output_tokens_per_s = generated_total / now if now else 0.0
+    if ttft:
+        result.ttft_p50, result.ttft_p99 = (float(x) for x in np.percentile(ttft, [50, 99]))
+    if latency:
+        result.latency_p50, result.latency_p99 = (float(x) for x in np.percentile(latency, [50, 99]))
+    if isinstance(memory, _PagedMemory):
+        for entry in running:
+            memory.release(entry.seq)
+        memory.m.clear_prefix_cache()
+        memory.m.check()
+        if memory.m.allocator.num_free != memory.m.allocator.num_pages:
+            raise RuntimeError("pages leaked during the simulation")
+    return result

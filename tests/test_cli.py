@@ -1,0 +1,117 @@
+"""The `pagekv` command end to end: every subcommand, bad flags, a malformed trace, and the
+simulator's contiguous policy against a hand computation."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagekv.cli import main
+from pagekv.models import ModelShape
+from pagekv.sim import CostModel, SimConfig, simulate
+from pagekv.trace import Request, default_trace
+
+
+def test_simulate_end_to_end(tmp_path, capsys):
+    out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
+    assert main(["simulate", "--limit", "25", "--memory", "4GiB", "--no-progress",
+                 "--json", str(out_json), "--plot", str(out_png)]) == 0
+    table = capsys.readouterr().out
+    assert "contiguous" in table and "paged+prefix" in table
+    data = json.loads(out_json.read_text())
+    assert [r["policy"] for r in data["results"]] == ["contiguous", "paged", "paged+prefix"]
+    for r in data["results"]:
+        assert r["completed"] + r["rejected"] == 25
+        assert 0 < r["peak_memory_fraction"] <= 1.0
+    assert out_png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_paged_policies_stay_in_budget_and_free_every_page():
+    requests = default_trace()[:40]
+    config = SimConfig(model=ModelShape("tiny", 4, 2, 64, 1e8), memory_bytes=300 * 2**20)
+    for policy in ("paged", "paged+prefix"):
+        result = simulate(requests, config, policy)  # raises if a page leaked or a check failed
+        assert result.peak_memory_fraction <= 1.0
+        assert result.completed + result.rejected == 40
+
+
+def test_simulate_with_attention_and_synthetic_trace(capsys):
+    assert main(["simulate", "--synthetic", "--num-requests", "12", "--rate", "50",
+                 "--memory", "1GiB", "--policies", "paged", "--attention", "--no-progress"]) == 0
+    assert "decode kernel (paged, one layer, real pages)" in capsys.readouterr().out
+
+
+def test_contiguous_policy_matches_a_hand_computation():
+    # 8 bytes per token (1 layer, 1 KV head, head_dim 1, float32), pages of 10 tokens; every
+    # non-empty step costs exactly 1 simulated second.
+    model = ModelShape("toy", 1, 1, 1, 1.0)
+    cost = CostModel(overhead_s=1.0, bandwidth_bytes_s=1e30, flops=1e30)
+    requests = [Request(0.0, 10, 3, (1,)), Request(0.0, 10, 2, (2,))]
+
+    def run(memory_bytes):
+        config = SimConfig(model=model, memory_bytes=memory_bytes, page_size=10, dtype="float32",
+                           max_new_tokens=40, cost=cost)
+        return simulate(requests, config, "contiguous")
+
+    both = run(800)  # 100 tokens: both reservations of 10 + 40 fit at once
+    assert (both.completed, both.peak_running, both.simulated_seconds) == (2, 2, 3.0)
+    assert both.mean_running == 1.0                         # 2, 1, 0 after the three steps
+    assert both.mean_memory_fraction == pytest.approx(0.5)  # 100%, 50%, 0%
+    assert both.mean_fragmentation_fraction == pytest.approx((78 + 38 + 0) / 300)
+    assert (both.ttft_p50, both.latency_p50) == (1.0, 2.5)
+    assert both.output_tokens_per_s == pytest.approx(5 / 3)
+    one = run(720)   # 90 tokens: the second reservation waits for the first to end
+    assert (one.completed, one.peak_running, one.simulated_seconds) == (2, 1, 5.0)
+    assert one.latency_p99 == pytest.approx(5.0 - 0.02 * 1.0, abs=0.05)
+
+
+def test_malformed_trace_names_the_line(tmp_path, capsys):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [1]}\n'
+                     '{"timestamp": 1, "input_length": "many"}\n')
+    assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 2
+    assert f"{trace}:2: expected a JSON object" in capsys.readouterr().err
+
+
+def test_missing_trace_file(tmp_path, capsys):
+    assert main(["simulate", "--trace", str(tmp_path / "none.jsonl"), "--no-progress"]) == 2
+    assert "cannot read the trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--memory", "lots"], "expected a size like 16GiB"),
+    (["simulate", "--page-size", "0"], "expected a positive integer, got '0'"),
+    (["simulate", "--model", "gpt-9"], "invalid choice"),
+    (["plan", "--context", "-4"], "expected a positive integer"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_computes_the_design_notes_example(capsys):
+    assert main(["plan", "--model", "llama-3-70b", "--memory", "80GiB", "--context", "32768"]) == 0
+    out = capsys.readouterr().out
+    assert "327,680" in out                     # 2 x 80 x 8 x 128 x 2 bytes per token
+    assert "40.00 GiB" in out                   # 131,072 tokens of it
+    assert "paged             8 " in out        # 80 GiB / (32,768 x 327,680 B = 10 GiB)
+    assert "contiguous        2 " in out        # 80 GiB / (131,072 x 327,680 B)
+
+
+def test_info_and_bench(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "numba" in out and "threads" in out and "cache" in out
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "streaming read" in out and "decode S1 bfloat16" in out and "ns per page" in out
+
+
+def test_the_installed_command_explains_itself():
+    result = subprocess.run([sys.executable, "-I", "-m", "pagekv.cli", "simulate", "--help"],
+                            capture_output=True, text=True, check=True)
+    assert "--trace FILE" in result.stdout and "contiguous" in result.stdout
