@@ -238,6 +238,7 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
     now, next_seq, generated_total = 0.0, 0, 0
     running_sum = memory_sum = frag_sum = 0.0
     steps = 0
+    head = (None, None, None)  # (rid, generated, prompt) of the waiting queue's head
 
     def finish(count=1):
         if progress:
@@ -253,9 +254,12 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
         while waiting and len(running) < config.max_seqs:
             rid, done = waiting[0]
             request = requests[rid]
-            prompt = prompt_tokens(request)
-            if done:  # recompute after preemption: the prompt grows by the tokens generated
-                prompt = np.concatenate([prompt, np.zeros(done, np.int32)])
+            if head[:2] != (rid, done):  # the head often waits many steps: build its prompt once
+                prompt = prompt_tokens(request)
+                if done:  # recompute after preemption: the prompt grows by the tokens generated
+                    prompt = np.concatenate([prompt, np.zeros(done, np.int32)])
+                head = (rid, done, prompt)
+            prompt = head[2]
             if not memory.fits_ever(len(prompt)):
                 waiting.popleft()
                 result.rejected += 1
