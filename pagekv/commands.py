@@ -95,7 +95,7 @@ def simulate(args, model_of):
 
 
 def _progress(total, *, disable):
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     return tqdm(total=total, unit="req", desc="simulating", disable=disable, file=sys.stderr,
                 leave=False)
@@ -239,7 +239,7 @@ def info(args, model_of=None):
     import pathlib
     import platform
 
-    import llvmlite.binding as llvm
+    import llvmlite.binding as llvm  # type: ignore[import-untyped]
     import numba
 
     import pagekv.kernels
