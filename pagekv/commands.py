@@ -109,7 +109,12 @@ def _attention_hook(config, figures, *, every=16):
     spec = config.spec
     one_layer = type(spec)(num_layers=1, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                            page_size=spec.page_size, dtype=spec.dtype)
-    cache = KVCache(one_layer, config.num_pages)  # zeros: the values do not change the timing
+    cache = KVCache(one_layer, config.num_pages)
+    rng = np.random.default_rng(0)
+    if cache.data.dtype == np.float32:
+        cache.data[...] = rng.random(cache.data.shape, dtype=np.float32)
+    else:  # random finite 16-bit patterns (exponent field below the inf/NaN range)
+        cache.data.view(np.uint16)[...] = rng.integers(0x3000, 0x4000, cache.data.shape, dtype=np.uint16)
     group = 4  # query heads per KV head (the presets' GQA ratio; only the timing depends on it)
     figures.update(calls=0, seconds=0.0, bytes=0, steps=0)
 
@@ -251,7 +256,11 @@ def info(args, model_of=None):
         print(f"{name:10s} {version}")
     print(f"threads    {numba.get_num_threads()} (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}; "
           f"{os.cpu_count()} CPUs)")
-    print(f"threading  {numba.config.THREADING_LAYER} requested")
+    from pagekv.kernels.bandwidth import stream_sum
+
+    stream_sum(np.ones(4096, np.float32), numba.get_num_threads())  # start the thread pool
+    print(f"threading  {numba.threading_layer()} layer (NUMBA_THREADING_LAYER="
+          f"{numba.config.THREADING_LAYER})")
     features = llvm.get_host_cpu_features()
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bf16", "neon", "sve"]
     print(f"cpu        {llvm.get_host_cpu_name()}: "
