@@ -30,7 +30,7 @@ def float_storage(x, name):
     kind : {"float32", "float16", "bfloat16"}
     """
     if is_torch(x):
-        import torch
+        import torch  # type: ignore[import-not-found]  # optional: only reached with a tensor
 
         if x.device.type != "cpu":
             raise ValueError(f"expected a CPU tensor for {name}, got device {x.device}")
@@ -91,7 +91,7 @@ def from_float32(values, kind, out):
 def new_like(x, kind, shape):
     """A new array of the caller's kind (torch tensor or numpy) and ``kind``, with its storage view."""
     if is_torch(x):
-        import torch
+        import torch  # type: ignore[import-not-found]  # optional: only reached with a tensor
 
         tensor = torch.empty(shape, dtype=x.dtype)
         return tensor, float_storage(tensor, "out")[0]
