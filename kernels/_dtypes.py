@@ -43,9 +43,13 @@ def bf16_bits_to_f32(typingctx, bits):
 
 
 def page_as_f32(cache, page, head, num_tokens, kv_format, scratch):
-    """The first ``num_tokens`` rows of ``cache[page, head]`` as float32 ``[page_size, head_dim]``.
+    """Where the float32 values of ``cache[page, head]`` (its first ``num_tokens`` rows) can be read.
 
-    A float32 cache is returned as a view (no copy); a uint16 cache is widened into ``scratch``.
+    Returns ``(array, page, head)`` with ``array`` a 4-D float32 array: the cache itself for a
+    float32 cache (no copy), or ``scratch`` ``[1, 1, page_size, head_dim]`` holding the widened
+    16-bit values, with page and head 0. Indexing a 4-D array element by element, rather than
+    taking a ``cache[page, head]`` view, matters: every view costs an atomic reference-count update on
+    the cache, which all threads share.
     Only callable from Numba code (an ``overload`` below supplies the implementation).
     """
     raise NotImplementedError("page_as_f32 is only callable from Numba-compiled code")
@@ -54,22 +58,21 @@ def page_as_f32(cache, page, head, num_tokens, kv_format, scratch):
 @overload(page_as_f32, jit_options={"fastmath": True})
 def _page_as_f32(cache, page, head, num_tokens, kv_format, scratch):
     if cache.dtype == types.float32:
-        def view(cache, page, head, num_tokens, kv_format, scratch):
-            return cache[page, head]
-        return view
+        def direct(cache, page, head, num_tokens, kv_format, scratch):
+            return cache, page, head
+        return direct
 
     if cache.dtype == types.uint16:
         def widen(cache, page, head, num_tokens, kv_format, scratch):
-            src = cache[page, head]
-            head_dim = src.shape[1]
+            head_dim = cache.shape[3]
             if kv_format == FORMAT_BFLOAT16:
                 for t in range(num_tokens):
                     for d in range(head_dim):
-                        scratch[t, d] = bf16_bits_to_f32(src[t, d])
+                        scratch[0, 0, t, d] = bf16_bits_to_f32(cache[page, head, t, d])
             else:
                 for t in range(num_tokens):
                     for d in range(head_dim):
-                        scratch[t, d] = f16_bits_to_f32(src[t, d])
-            return scratch
+                        scratch[0, 0, t, d] = f16_bits_to_f32(cache[page, head, t, d])
+            return scratch, 0, 0
         return widen
     return None

@@ -38,8 +38,8 @@ _JIT: dict[str, Any] = dict(cache=True, fastmath=FASTMATH, error_model="numpy", 
 
 
 @njit(**_JIT)
-def _page_scores(qs, r0, num_rows, kb, num_tokens, scores):
-    """scores[r, t] = qs[r0 + r] . kb[t] for the page's tokens.
+def _page_scores(qs, r0, num_rows, kc, kp, kh, num_tokens, scores):
+    """scores[r, t] = qs[r0 + r] . kc[kp, kh, t] for the page's tokens.
 
     Four query rows at a time share each load of a key row and keep four vector accumulators, so a
     GQA group of 4 reads the page once from L1 instead of four times (1.9x faster than one row at a
@@ -52,7 +52,7 @@ def _page_scores(qs, r0, num_rows, kb, num_tokens, scores):
         for t in range(num_tokens):
             s0 = s1 = s2 = s3 = np.float32(0.0)
             for d in range(head_dim):
-                k = kb[t, d]
+                k = kc[kp, kh, t, d]
                 s0 += qs[q, d] * k
                 s1 += qs[q + 1, d] * k
                 s2 += qs[q + 2, d] * k
@@ -66,13 +66,13 @@ def _page_scores(qs, r0, num_rows, kb, num_tokens, scores):
         for t in range(num_tokens):
             s = np.float32(0.0)
             for d in range(head_dim):
-                s += qs[r0 + r, d] * kb[t, d]
+                s += qs[r0 + r, d] * kc[kp, kh, t, d]
             scores[r, t] = s
 
 
 @njit(**_JIT)
-def _page_accumulate(scores, r0, num_rows, vb, num_tokens, acc):
-    """acc[r0 + r] += sum over t of scores[r, t] * vb[t].
+def _page_accumulate(scores, r0, num_rows, vc, vp, vh, num_tokens, acc):
+    """acc[r0 + r] += sum over t of scores[r, t] * vc[vp, vh, t].
 
     Four tokens per pass over an accumulator row: one load and one store of acc per four
     multiply-adds instead of per one.
@@ -83,24 +83,25 @@ def _page_accumulate(scores, r0, num_rows, vb, num_tokens, acc):
         for r in range(num_rows):
             p0, p1, p2, p3 = scores[r, t], scores[r, t + 1], scores[r, t + 2], scores[r, t + 3]
             for d in range(head_dim):
-                acc[r0 + r, d] += (p0 * vb[t, d] + p1 * vb[t + 1, d]) + (p2 * vb[t + 2, d] + p3 * vb[t + 3, d])
+                acc[r0 + r, d] += (p0 * vc[vp, vh, t, d] + p1 * vc[vp, vh, t + 1, d]) + \
+                    (p2 * vc[vp, vh, t + 2, d] + p3 * vc[vp, vh, t + 3, d])
         t += 4
     for t in range(t, num_tokens):
         for r in range(num_rows):
             p = scores[r, t]
             for d in range(head_dim):
-                acc[r0 + r, d] += p * vb[t, d]
+                acc[r0 + r, d] += p * vc[vp, vh, t, d]
 
 
 # The page routines are separate functions, not inlined: compiled on their own, LLVM vectorises
 # their loops; inlined into the parallel loop body, it did not (measured: scalar FMAs only).
 @njit(**_JIT)
-def _fold_page(qs, r0, num_rows, kb, vb, num_tokens, key0, qpos, masked, window, soft_cap, slopes,
+def _fold_page(qs, r0, num_rows, k, v, num_tokens, key0, qpos, masked, window, soft_cap, slopes,
                m, l, acc, scores):
     """Fold one page into the running softmax state of query rows ``r0 .. r0 + num_rows - 1``.
 
     qs : float32 [rows, head_dim], queries already multiplied by the scale.
-    kb, vb : float32 [page_size, head_dim], the page's keys and values (first num_tokens valid).
+    k, v : (array, page, head) from ``page_as_f32``: where the page's keys and values are read.
     key0 : position of the page's first token in its sequence.
     qpos : int64 [num_rows], each row's query position; masked: whether this page needs masking.
     slopes : float32 [rows] ALiBi slopes, or an empty array for none.
@@ -111,7 +112,7 @@ def _fold_page(qs, r0, num_rows, kb, vb, num_tokens, key0, qpos, masked, window,
     reference-count update in Numba's runtime, several per page and head.
     """
     head_dim = qs.shape[1]
-    _page_scores(qs, r0, num_rows, kb, num_tokens, scores)
+    _page_scores(qs, r0, num_rows, k[0], k[1], k[2], num_tokens, scores)
     if soft_cap > 0.0:
         for r in range(num_rows):
             for t in range(num_tokens):
@@ -147,7 +148,7 @@ def _fold_page(qs, r0, num_rows, kb, vb, num_tokens, key0, qpos, masked, window,
         if alpha != 1.0:
             for d in range(head_dim):
                 acc[row, d] *= alpha
-    _page_accumulate(scores, r0, num_rows, vb, num_tokens, acc)
+    _page_accumulate(scores, r0, num_rows, v[0], v[1], v[2], num_tokens, acc)
 
 
 @njit(inline="always", **_JIT)
@@ -189,8 +190,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
         m = np.empty(num_q_heads, np.float32)
         l = np.empty(num_q_heads, np.float32)
         scores = np.empty((group, page_size), np.float32)
-        k_scratch = np.empty((page_size, head_dim), np.float32)
-        v_scratch = np.empty((page_size, head_dim), np.float32)
+        k_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
+        v_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
         qpos = np.empty(group, np.int64)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, page_begin, page_end, part = items[item]
@@ -212,9 +213,9 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                     if next_page >= 0:  # spread over the heads: a burst would fill the miss queue
                         _prefetch_lines(k_cache, next_page, head, prefetch_lines)
                         _prefetch_lines(v_cache, next_page, head, prefetch_lines)
-                    kb = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
-                    vb = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
-                    _fold_page(qs, head * group, group, kb, vb, num_tokens, key0, qpos, masked,
+                    k = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
+                    v = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
+                    _fold_page(qs, head * group, group, k, v, num_tokens, key0, qpos, masked,
                                window, soft_cap, alibi_slopes, m, l, acc, scores)
             for h in range(num_q_heads):
                 if part < 0:
@@ -271,8 +272,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
         m = np.empty(max_rows, np.float32)
         l = np.empty(max_rows, np.float32)
         scores = np.empty((max_rows, page_size), np.float32)
-        k_scratch = np.empty((page_size, head_dim), np.float32)
-        v_scratch = np.empty((page_size, head_dim), np.float32)
+        k_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
+        v_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
         qpos = np.empty(max_rows, np.int64)
         slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
@@ -298,9 +299,9 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                 key0 = p * page_size
                 num_tokens = min(page_size, seq_len - key0)
                 masked = key0 + num_tokens - 1 > low or (window > 0 and key0 <= high - window)
-                kb = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
-                vb = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
-                _fold_page(qs, 0, num_rows, kb, vb, num_tokens, key0, qpos, masked, window,
+                k = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
+                v = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
+                _fold_page(qs, 0, num_rows, k, v, num_tokens, key0, qpos, masked, window,
                            soft_cap, slopes, m, l, acc, scores)
             for i in range(row_end - row_begin):
                 for g in range(group):
