@@ -222,7 +222,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     prefetch : bool or int
         Software-prefetch the start of the next page of each sequence (``True``: PREFETCH_LINES
         cache lines of each head block; an int: that many) while computing the current one. Off by
-        default: on the benchmark shapes it changed the time by -10% to +20% (README).
+        default: on the benchmark shapes it changed the speed by less than 10% either way (README).
 
     Returns
     -------
