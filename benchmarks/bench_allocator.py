@@ -10,7 +10,6 @@ README's table of nanoseconds per page and ratios. Run:
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from registry import ALLOCATORS, FIRST_FIT_MAX_POOL, Churn, batch_sizes, request_counts

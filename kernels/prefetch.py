@@ -35,16 +35,6 @@ def prefetch_address(typingctx, address):
 def prefetch_lines(cache, page, head, num_lines):
     """Prefetch the first ``num_lines`` cache lines of ``cache[page, head]``: enough to start the
     hardware prefetcher on a new region without flooding the miss queue."""
-    start = cache[page, head].ctypes.data
+    start = cache.ctypes.data + page * cache.strides[0] + head * cache.strides[1]  # no view: no refcount
     for line in range(num_lines):
         prefetch_address(start + line * CACHE_LINE)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def prefetch_page(cache, page, head, num_tokens):
-    """Prefetch the first ``num_tokens`` rows of ``cache[page, head]`` (a [page_size, head_dim] block)."""
-    block = cache[page, head]
-    start = block.ctypes.data
-    end = start + num_tokens * block.shape[1] * block.itemsize
-    for address in range(start, end, CACHE_LINE):
-        prefetch_address(address)

@@ -64,7 +64,7 @@ def test_lifo_reuses_most_recently_freed_page_first():
 
 def test_decref_returns_only_pages_that_reached_zero():
     alloc = PageAllocator(8)
-    pages = alloc.allocate(4)
+    alloc.allocate(4)
     alloc.incref([0, 0, 2])
     assert alloc.decref([0, 1, 2, 3]).tolist() == [1, 3]
     assert alloc.refcount([0, 1, 2, 3]).tolist() == [2, 0, 1, 0]

@@ -5,7 +5,6 @@ shared pages, copy-on-write and eviction all happen. After every step both must 
 answer and on every page table up to a renaming of page ids, and the invariants must hold.
 """
 
-import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
