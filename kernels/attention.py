@@ -148,6 +148,17 @@ def _softmax_update(scores, r0, num_rows, num_cols, key0, qpos, masked, window, 
                 acc[r, d] *= alpha
 
 
+@njit(**_JIT)
+def _slot_scratch(rows, cols, page_size, head_dim):
+    """A thread slot's working arrays, allocated once per kernel call and slot (never per page):
+    scaled queries and accumulators [rows, head_dim], running max and sum [rows], query positions
+    [rows], scores [rows, cols], and two [1, 1, page_size, head_dim] pages for widened 16-bit K/V."""
+    return (np.empty((rows, head_dim), np.float32), np.empty((rows, head_dim), np.float32),
+            np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty(rows, np.int64),
+            np.empty((rows, cols), np.float32), np.empty((1, 1, page_size, head_dim), np.float32),
+            np.empty((1, 1, page_size, head_dim), np.float32))
+
+
 @njit(inline="always", **_JIT)
 def _finish_row(acc_row, m_r, l_r, out_row):
     """Write acc / l to out_row and return the row's log-sum-exp (-inf and zeros if nothing attended)."""
@@ -183,14 +194,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     group = num_q_heads // num_kv_heads
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs = np.empty((num_q_heads, head_dim), np.float32)
-        acc = np.empty((num_q_heads, head_dim), np.float32)
-        m = np.empty(num_q_heads, np.float32)
-        l = np.empty(num_q_heads, np.float32)
-        scores = np.empty((num_q_heads, chunk_pages * page_size), np.float32)
-        k_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
-        v_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
-        qpos = np.empty(num_q_heads, np.int64)
+        qs, acc, m, l, qpos, scores, k_scratch, v_scratch = _slot_scratch(
+            num_q_heads, chunk_pages * page_size, page_size, head_dim)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
@@ -279,14 +284,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     max_rows = QUERY_BLOCK * group
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs = np.empty((max_rows, head_dim), np.float32)
-        acc = np.empty((max_rows, head_dim), np.float32)
-        m = np.empty(max_rows, np.float32)
-        l = np.empty(max_rows, np.float32)
-        scores = np.empty((max_rows, chunk_pages * page_size), np.float32)
-        k_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
-        v_scratch = np.empty((1, 1, page_size, head_dim), np.float32)
-        qpos = np.empty(max_rows, np.int64)
+        qs, acc, m, l, qpos, scores, k_scratch, v_scratch = _slot_scratch(
+            max_rows, chunk_pages * page_size, page_size, head_dim)
         slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, head, row_begin, row_end = items[item]

@@ -88,3 +88,13 @@ def test_merge_states_shapes():
         attention.merge_states(o, np.zeros((2, 3)), o, np.zeros(2))
     with pytest.raises(ValueError, match="expected o_a and o_b of one 3-D shape"):
         attention.merge_states(o, np.zeros((2, 3)), o[:1], np.zeros((1, 3)))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(page_size=0), "expected page_size a positive integer, got 0"),
+    (dict(page_size=16, num_threads=0), "expected num_threads >= 1, got 0"),
+    (dict(page_size=16, sliding_window=-3), "expected sliding_window None or an integer >= 1"),
+])
+def test_plan_decode_bad_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        attention.plan_decode([5, 9], **options)

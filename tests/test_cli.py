@@ -115,3 +115,14 @@ def test_the_installed_command_explains_itself():
     result = subprocess.run([sys.executable, "-I", "-m", "pagekv.cli", "simulate", "--help"],
                             capture_output=True, text=True, check=True)
     assert "--trace FILE" in result.stdout and "contiguous" in result.stdout
+
+
+def test_simulate_rejects_an_unknown_policy():
+    config = SimConfig(model=ModelShape("tiny", 1, 1, 8, 1e6), memory_bytes=2**20)
+    with pytest.raises(ValueError, match="expected a policy in"):
+        simulate(default_trace()[:1], config, "magic")
+
+
+def test_budget_below_one_page_is_refused(capsys):
+    assert main(["simulate", "--memory", "1KiB", "--no-progress"]) == 2
+    assert "expected a budget of at least one page" in capsys.readouterr().err

@@ -283,3 +283,17 @@ def test_kv_cache_too_big_fails_before_touching_memory():
     spec = KVCacheSpec(num_layers=80, num_kv_heads=8, head_dim=128, dtype="float32")
     with pytest.raises(MemoryError, match="expected a KV cache within the .* GiB available"):
         KVCache(spec, 10**7)  # 100 TB
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: KVCache(KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8), 0), ValueError,
+     "expected num_pages a positive integer, got 0"),
+    (lambda: KVCache("spec", 4), TypeError, "expected a KVCacheSpec, got str"),
+    (lambda: KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8).pages_for_budget(-1), ValueError,
+     "expected a budget >= 0 bytes, got -1"),
+    (lambda: KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=True), ValueError,
+     "expected page_size a positive integer"),
+])
+def test_spec_and_cache_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
