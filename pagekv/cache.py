@@ -6,6 +6,7 @@ Layout (docs/layout.md): ``data [num_layers, 2, num_pages, num_kv_heads, page_si
 
 import numpy as np
 
+from pagekv import _arrays
 from pagekv.spec import KVCacheSpec
 
 __all__ = ["KVCache"]
@@ -32,11 +33,18 @@ class KVCache:
     ----------
     spec : KVCacheSpec
     num_pages : int
+    storage : array, optional
+        Memory the caller already owns (a numpy array or a torch CPU tensor) of shape
+        ``[num_layers, 2, num_pages, num_kv_heads, page_size, head_dim]``, C-contiguous, of the
+        spec's dtype (bfloat16 as ``torch.bfloat16``, ``ml_dtypes.bfloat16`` or uint16 bits). It is
+        used in place, never copied: writes through pagekv land in the caller's array.
 
     Raises
     ------
     MemoryError
         Before touching memory, when the cache is larger than the memory the OS reports available.
+    ValueError, TypeError
+        ``storage`` of another shape, dtype or layout.
 
     Examples
     --------
@@ -45,20 +53,23 @@ class KVCache:
     ((8, 4, 16, 64), 524288)
     """
 
-    def __init__(self, spec: KVCacheSpec, num_pages: int) -> None:
+    def __init__(self, spec: KVCacheSpec, num_pages: int, *, storage=None) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"expected a KVCacheSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
             raise ValueError(f"expected num_pages a positive integer, got {num_pages!r}")
         self.spec = spec
         self.num_pages = int(num_pages)
+        shape = (spec.num_layers, 2, self.num_pages, spec.num_kv_heads, spec.page_size, spec.head_dim)
+        if storage is not None:
+            self.data = _caller_storage(storage, shape, spec.dtype)
+            return
         nbytes = self.num_pages * spec.bytes_per_page
         available = _available_memory()
         if available is not None and nbytes > available:
             raise MemoryError(f"expected a KV cache within the {available / 2**30:.1f} GiB available, "
                               f"got {self.num_pages} pages x {spec.bytes_per_page} B = "
                               f"{nbytes / 2**30:.1f} GiB")
-        shape = (spec.num_layers, 2, self.num_pages, spec.num_kv_heads, spec.page_size, spec.head_dim)
         self.data = np.zeros(shape, _STORAGE[spec.dtype])
 
     @property
@@ -73,3 +84,15 @@ class KVCache:
     def v(self, layer: int) -> np.ndarray:
         """Values of one layer: [num_pages, num_kv_heads, page_size, head_dim] (a view)."""
         return self.data[layer, 1]
+
+
+def _caller_storage(storage, shape, dtype):
+    """A zero-copy numpy view of caller-owned storage, checked against the cache's shape and dtype."""
+    array, kind = _arrays.float_storage(storage, "storage")
+    if kind != dtype:
+        raise TypeError(f"expected storage of dtype {dtype} (the spec's), got {kind}")
+    if array.shape != shape:
+        raise ValueError(f"expected storage of shape {shape}, got {array.shape}")
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ValueError("expected C-contiguous, writeable storage, got a strided or read-only array")
+    return array.view(np.float16) if dtype == "float16" else array

@@ -297,3 +297,26 @@ def test_kv_cache_too_big_fails_before_touching_memory():
 def test_spec_and_cache_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_kv_cache_over_caller_storage_is_zero_copy():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32")
+    owned = np.zeros((2, 2, 3, 1, 4, 8), np.float32)
+    cache = KVCache(spec, 3, storage=owned)
+    attention.write_kv(np.ones((1, 1, 8), np.float32), np.full((1, 1, 8), 2, np.float32),
+                       cache.k(1), cache.v(1), [5])
+    assert owned[1, 0, 1, 0, 1].tolist() == [1.0] * 8 and owned[1, 1, 1, 0, 1].tolist() == [2.0] * 8
+    half = KVCache(KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16"),
+                   2, storage=np.zeros((1, 2, 2, 1, 4, 8), np.float16))
+    assert half.k(0).dtype == np.float16
+
+
+@pytest.mark.parametrize("storage, error, message", [
+    (np.zeros((2, 2, 3, 1, 4, 8), np.float16), TypeError, "expected storage of dtype float32 .* got float16"),
+    (np.zeros((2, 2, 4, 1, 4, 8), np.float32), ValueError, r"expected storage of shape \(2, 2, 3, 1, 4, 8\)"),
+    (np.zeros((2, 2, 3, 1, 4, 16), np.float32)[..., ::2], ValueError, "C-contiguous, writeable"),
+])
+def test_kv_cache_refuses_mismatched_storage(storage, error, message):
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32")
+    with pytest.raises(error, match=message):
+        KVCache(spec, 3, storage=storage)

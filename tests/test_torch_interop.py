@@ -47,3 +47,14 @@ def test_non_cpu_or_non_float_tensors_are_refused():
     meta = torch.zeros(4, 1, 16, 64, device="meta")
     with pytest.raises(ValueError, match="expected a CPU tensor for k_cache, got device meta"):
         attention.paged_decode_attention(torch.zeros(1, 1, 64), meta, meta, [[0]], [1])
+
+
+def test_kv_cache_over_an_engines_torch_tensor():
+    from pagekv import KVCache, KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
+    owned = torch.zeros(1, 2, 5, 2, 4, 8, dtype=torch.bfloat16)
+    cache = KVCache(spec, 5, storage=owned)
+    new = torch.full((1, 2, 8), 3.0, dtype=torch.bfloat16)
+    attention.write_kv(new, new, cache.k(0), cache.v(0), [6])
+    assert owned[0, 0, 1, :, 2].float().eq(3).all()
