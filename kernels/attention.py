@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from pagekv.kernels._dtypes import page_as_f32
+from pagekv.kernels._dtypes import load_f32
 from pagekv.kernels._math import fast_exp
 from pagekv.kernels.prefetch import prefetch_lines as _prefetch_lines
 
@@ -44,7 +44,7 @@ _JIT: dict[str, Any] = dict(cache=True, fastmath=FASTMATH, error_model="numpy", 
 
 
 @njit(**_JIT)
-def _page_scores(qs, r0, num_rows, kc, kp, kh, num_tokens, scores, col):
+def _page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, col):
     """scores[r0 + r, col + t] = qs[r0 + r] . kc[kp, kh, t] for the page's tokens.
 
     Four query rows at a time share each load of a key row and keep four vector accumulators, so a
@@ -57,7 +57,7 @@ def _page_scores(qs, r0, num_rows, kc, kp, kh, num_tokens, scores, col):
         for t in range(num_tokens):
             s0 = s1 = s2 = s3 = np.float32(0.0)
             for d in range(head_dim):
-                k = kc[kp, kh, t, d]
+                k = load_f32(kc, kp, kh, t, d, kv_format)
                 s0 += qs[r, d] * k
                 s1 += qs[r + 1, d] * k
                 s2 += qs[r + 2, d] * k
@@ -71,12 +71,12 @@ def _page_scores(qs, r0, num_rows, kc, kp, kh, num_tokens, scores, col):
         for t in range(num_tokens):
             s = np.float32(0.0)
             for d in range(head_dim):
-                s += qs[r, d] * kc[kp, kh, t, d]
+                s += qs[r, d] * load_f32(kc, kp, kh, t, d, kv_format)
             scores[r, col + t] = s
 
 
 @njit(**_JIT)
-def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, num_tokens, acc):
+def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_tokens, acc):
     """acc[r0 + r] += sum over t of scores[r0 + r, col + t] * vc[vp, vh, t].
 
     Four tokens per pass over an accumulator row: one load and one store of acc per four
@@ -89,14 +89,16 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, num_tokens, acc):
             c = col + t
             p0, p1, p2, p3 = scores[r, c], scores[r, c + 1], scores[r, c + 2], scores[r, c + 3]
             for d in range(head_dim):
-                acc[r, d] += (p0 * vc[vp, vh, t, d] + p1 * vc[vp, vh, t + 1, d]) + \
-                    (p2 * vc[vp, vh, t + 2, d] + p3 * vc[vp, vh, t + 3, d])
+                acc[r, d] += (p0 * load_f32(vc, vp, vh, t, d, kv_format)
+                              + p1 * load_f32(vc, vp, vh, t + 1, d, kv_format)) + \
+                    (p2 * load_f32(vc, vp, vh, t + 2, d, kv_format)
+                     + p3 * load_f32(vc, vp, vh, t + 3, d, kv_format))
         t += 4
     for t in range(t, num_tokens):
         for r in range(r0, r0 + num_rows):
             p = scores[r, col + t]
             for d in range(head_dim):
-                acc[r, d] += p * vc[vp, vh, t, d]
+                acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
 # The chunk routines are separate functions, not inlined: compiled on their own, LLVM vectorises
@@ -149,14 +151,13 @@ def _softmax_update(scores, r0, num_rows, num_cols, key0, qpos, masked, window, 
 
 
 @njit(**_JIT)
-def _slot_scratch(rows, cols, page_size, head_dim):
+def _slot_scratch(rows, cols, head_dim):
     """A thread slot's working arrays, allocated once per kernel call and slot (never per page):
     scaled queries and accumulators [rows, head_dim], running max and sum [rows], query positions
-    [rows], scores [rows, cols], and two [1, 1, page_size, head_dim] pages for widened 16-bit K/V."""
+    [rows] and scores [rows, cols]."""
     return (np.empty((rows, head_dim), np.float32), np.empty((rows, head_dim), np.float32),
             np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty(rows, np.int64),
-            np.empty((rows, cols), np.float32), np.empty((1, 1, page_size, head_dim), np.float32),
-            np.empty((1, 1, page_size, head_dim), np.float32))
+            np.empty((rows, cols), np.float32))
 
 
 @njit(inline="always", **_JIT)
@@ -194,8 +195,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     group = num_q_heads // num_kv_heads
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores, k_scratch, v_scratch = _slot_scratch(
-            num_q_heads, chunk_pages * page_size, page_size, head_dim)
+        qs, acc, m, l, qpos, scores = _slot_scratch(
+            num_q_heads, chunk_pages * page_size, head_dim)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
@@ -217,9 +218,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                         for head in range(num_kv_heads):
                             _prefetch_lines(k_cache, block_table[seq, p + 1], head, prefetch_lines)
                     for head in range(num_kv_heads):
-                        k = page_as_f32(k_cache, page, head, num_tokens, kv_format, k_scratch)
-                        _page_scores(qs, head * group, group, k[0], k[1], k[2], num_tokens, scores,
-                                     (p - first) * page_size)
+                        _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
+                                     num_tokens, scores, (p - first) * page_size)
                 masked = window > 0 and key0 <= seq_len - 1 - window
                 _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
                                 soft_cap, alibi_slopes, m, l, acc)
@@ -230,9 +230,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                         for head in range(num_kv_heads):
                             _prefetch_lines(v_cache, block_table[seq, p + 1], head, prefetch_lines)
                     for head in range(num_kv_heads):
-                        v = page_as_f32(v_cache, page, head, num_tokens, kv_format, v_scratch)
                         _page_accumulate(scores, head * group, group, (p - first) * page_size,
-                                         v[0], v[1], v[2], num_tokens, acc)
+                                         v_cache, page, head, kv_format, num_tokens, acc)
             for h in range(num_q_heads):
                 if part < 0:
                     lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
@@ -284,8 +283,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     max_rows = QUERY_BLOCK * group
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores, k_scratch, v_scratch = _slot_scratch(
-            max_rows, chunk_pages * page_size, page_size, head_dim)
+        qs, acc, m, l, qpos, scores = _slot_scratch(
+            max_rows, chunk_pages * page_size, head_dim)
         slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, head, row_begin, row_end = items[item]
@@ -311,17 +310,14 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                 key0 = first * page_size
                 num_cols = min((last - first) * page_size, seq_len - key0)
                 for p in range(first, last):
-                    k = page_as_f32(k_cache, block_table[seq, p], head,
-                                    min(page_size, seq_len - p * page_size), kv_format, k_scratch)
-                    _page_scores(qs, 0, num_rows, k[0], k[1], k[2],
+                    _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
                                  min(page_size, seq_len - p * page_size), scores, (p - first) * page_size)
                 masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
                 _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
                                 slopes, m, l, acc)
                 for p in range(first, last):
-                    v = page_as_f32(v_cache, block_table[seq, p], head,
-                                    min(page_size, seq_len - p * page_size), kv_format, v_scratch)
-                    _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v[0], v[1], v[2],
+                    _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                     block_table[seq, p], head, kv_format,
                                      min(page_size, seq_len - p * page_size), acc)
             for i in range(row_end - row_begin):
                 for g in range(group):
