@@ -8,11 +8,10 @@
 """
 
 import argparse
-import json
 import re
 import sys
 
-from pagekv.models import PRESETS, ModelShape
+from pagekv.models import MAX_CONTEXT, PRESETS, ModelShape
 
 __all__ = ["main"]
 
@@ -100,8 +99,8 @@ def build_parser():
                           "reserved contiguously for a maximum context.")
     _model_args(plan)
     plan.add_argument("--context", type=_positive, default=8192, help="tokens per sequence")
-    plan.add_argument("--max-context", type=_positive, default=131072,
-                      help="the maximum context a contiguous allocator reserves (default: 131072)")
+    plan.add_argument("--max-context", type=_positive, default=MAX_CONTEXT,
+                      help="the maximum context a contiguous allocator reserves (default: %(default)s)")
 
     sub.add_parser("bench", help="measure this machine (<= 60 s): bandwidth, decode GB/s, allocator",
                    description="Streaming-read bandwidth, paged decode attention GB/s and its share of "
@@ -124,15 +123,6 @@ def main(argv=None):
     except commands.CommandError as exc:
         print(f"pagekv {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-def _json_default(value):
-    return value.tolist() if hasattr(value, "tolist") else str(value)
-
-
-def dump_json(path, data):
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, default=_json_default)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """What each ``pagekv`` subcommand does (argument parsing lives in cli.py)."""
 
+import json
 import sys
 import time
 
 import numpy as np
 
 from pagekv import trace as traces
-from pagekv.cli import dump_json
 from pagekv.models import PRESETS
 from pagekv.sim import SimConfig, simulate as run_policy
 
@@ -84,7 +84,7 @@ def simulate(args, model_of):
             print(f"decode kernel ({policy}, one layer, real pages): {seconds * 1e3:.2f} ms per step, "
                   f"{figures['bytes'] / figures['seconds'] / 1e9:.1f} GB/s over {figures['calls']} steps")
     if args.json:
-        dump_json(args.json, {"source": source, "model": vars(model), "memory_bytes": args.memory,
+        _dump_json(args.json, {"source": source, "model": vars(model), "memory_bytes": args.memory,
                               "page_size": args.page_size, "dtype": args.dtype,
                               "results": [r.as_dict() for r in results], "attention": kernel})
         print(f"wrote {args.json}")
@@ -92,6 +92,11 @@ def simulate(args, model_of):
         _plot(results, args.plot, title=f"{model.name}, {_gib(args.memory)} KV budget, {source}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _dump_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
 
 
 def _progress(total, *, disable):

@@ -156,7 +156,7 @@ class KVCacheManager:
         """Whether ``append`` of ``num_tokens`` tokens to ``seq_id`` would get its pages now."""
         row = self._row(seq_id)
         try:
-            needed = self._pages_for_append(row, int(num_tokens))
+            needed, _ = self._pages_for_append(row, int(num_tokens))
         except ValueError:
             return False
         return needed <= self._obtainable(())
@@ -265,8 +265,7 @@ class KVCacheManager:
         row = self._row(seq_id)
         tokens = _tokens(token_ids)
         length = int(self.seq_lens[row])
-        needed = self._pages_for_append(row, len(tokens))
-        cow_src = self._shared_partial_page(row, length)
+        needed, cow_src = self._pages_for_append(row, len(tokens))
         fresh = self._take_pages(needed, keep=())
         first_new = self._num_pages(length)
         if cow_src is not None:
@@ -426,11 +425,12 @@ class KVCacheManager:
         return self.allocator.allocate(count)
 
     def _pages_for_append(self, row, num_tokens):
+        """(pages to take, the shared partial last page to copy first or None) for an append."""
         length = int(self.seq_lens[row])
         end = self._num_pages(length + num_tokens)
         self._check_capacity(end, length + num_tokens)
-        cow = self._shared_partial_page(row, length) is not None
-        return end - self._num_pages(length) + cow
+        cow_src = self._shared_partial_page(row, length)
+        return end - self._num_pages(length) + (cow_src is not None), cow_src
 
     def _shared_partial_page(self, row, length):
         """The last page if it is partly filled and shared (it must be copied before a write)."""

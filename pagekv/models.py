@@ -4,7 +4,9 @@ from dataclasses import dataclass
 
 from pagekv.spec import KVCacheSpec
 
-__all__ = ["ModelShape", "PRESETS"]
+__all__ = ["ModelShape", "PRESETS", "MAX_CONTEXT"]
+
+MAX_CONTEXT = 131072  # longest context the simulator serves and a contiguous allocator reserves (128K)
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class ModelShape:
     num_params: float
 
     def spec(self, *, page_size=16, dtype="bfloat16") -> KVCacheSpec:
+        """The KV-cache spec of this model at the given page size and storage dtype."""
         return KVCacheSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                            head_dim=self.head_dim, page_size=page_size, dtype=dtype)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from pagekv.errors import OutOfPagesError
 from pagekv.manager import KVCacheManager
+from pagekv.models import MAX_CONTEXT
 from pagekv.trace import prompt_tokens
 
 __all__ = ["CostModel", "SimConfig", "PolicyResult", "simulate", "POLICIES"]
@@ -155,7 +156,7 @@ class _PagedMemory:
 
     def __init__(self, config, *, prefix):
         self.page_size = config.page_size
-        self.max_pages = -(-(131072 + config.max_new_tokens) // config.page_size)
+        self.max_pages = -(-(MAX_CONTEXT + config.max_new_tokens) // config.page_size)
         self.m = KVCacheManager(num_pages=config.num_pages, page_size=config.page_size,
                                 max_seqs=config.max_seqs, max_pages_per_seq=self.max_pages,
                                 enable_prefix_caching=prefix)
