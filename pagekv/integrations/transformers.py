@@ -1,0 +1,440 @@
+"""Hugging Face transformers on pagekv pages: ``generate`` with a paged KV cache and paged attention.
+
+Three extension points of transformers 5.x (read from its source) carry the integration:
+
+1. :class:`PagedCache`, a ``transformers.Cache`` passed as ``past_key_values``: each layer's
+   ``update`` writes the new keys and values into pagekv pages (``write_kv``) and hands the layer's
+   page pool on, never a dense history;
+2. an attention function registered as ``"pagekv"`` in ``transformers.AttentionInterface``: it runs
+   ``paged_decode_attention`` / ``paged_prefill_attention`` straight over those pages;
+3. a forward pre-hook on the model's base model, which sees each forward's ``input_ids`` and 2-D
+   ``attention_mask``: it grows the page tables (token ids feed the prefix cache; padding gets no
+   page) and hands the forward's tables to the attention function as a keyword argument
+   (transformers passes a forward's extra keyword arguments down to the attention function).
+
+Examples
+--------
+>>> pool = PagedKVPool(model, num_pages=1024)                         # doctest: +SKIP
+>>> out = pool.generate(**tokenizer(prompts, return_tensors="pt", padding=True),
+...                     max_new_tokens=32, do_sample=False)           # doctest: +SKIP
+>>> pool.stats().prefix_hit_tokens                                    # doctest: +SKIP
+"""
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from pagekv.attention import (
+    copy_pages,
+    paged_decode_attention,
+    paged_prefill_attention,
+    plan_decode,
+    write_kv,
+)
+from pagekv.cache import KVCache
+from pagekv.errors import PagekvError
+from pagekv.manager import KVCacheManager, ManagerStats
+from pagekv.spec import KVCacheSpec
+
+__all__ = ["ATTENTION", "PagedKVPool", "PagedCache", "paged_attention", "register"]
+
+ATTENTION = "pagekv"  # the name of pagekv's attention in transformers' AttentionInterface
+_STEP = "pagekv_step"  # the forward keyword that carries a forward's page tables to the attention
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class _Step:
+    """One forward's page tables, shared by every layer of that forward.
+
+    Attributes
+    ----------
+    block_table : int32 [batch, max_pages]
+        Page tables of the batch rows, cut to the pages the longest row uses.
+    seq_lens : int32 [batch]
+        Tokens of each row in the cache after this forward's tokens are written.
+    slot_mapping : int32 [batch * q_len]
+        Where each new token's K/V goes; -1 for a padding token and for a token whose page came
+        from the prefix cache (its K/V is already there).
+    query_rows : int64 [num_real_tokens] or None
+        Rows of the flattened ``[batch * q_len]`` queries that are real tokens (None: all are).
+    qo_indptr : int32 [batch + 1] or None
+        Query rows of each batch row (prefill); None for a decode step (one token per row).
+    """
+
+    block_table: np.ndarray
+    seq_lens: np.ndarray
+    slot_mapping: np.ndarray
+    query_rows: np.ndarray | None
+    qo_indptr: np.ndarray | None
+    page_size: int
+    _plans: dict = field(default_factory=dict)
+
+    def decode_plan(self, sliding_window):
+        """The split-K decode plan for this forward's lengths (made once per window, not per layer)."""
+        if sliding_window not in self._plans:
+            self._plans[sliding_window] = plan_decode(
+                self.seq_lens, page_size=self.page_size, sliding_window=sliding_window)
+        return self._plans[sliding_window]
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function over pagekv pages (registered as ``"pagekv"``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (only its ``training`` flag is read).
+    query : float [batch, num_q_heads, q_len, head_dim]
+    key, value : float [num_pages, num_kv_heads, page_size, head_dim]
+        The layer's page pool, as :meth:`PagedCache.update` returns it.
+    attention_mask : ignored
+        Padding comes from the 2-D mask the forward hook saw; causality from the page tables.
+    scaling, sliding_window, softcap : optional
+        transformers' names for the kernels' ``scale``, ``sliding_window``, ``logits_soft_cap``.
+    **kwargs
+        Must carry the forward's page tables (``pagekv_step``), put there by the pool's hook.
+
+    Returns
+    -------
+    out : [batch, q_len, num_q_heads, head_dim], query's dtype (zeros on padding positions)
+    weights : None
+    """
+    step = kwargs.get(_STEP)
+    if not isinstance(step, _Step):
+        raise PagekvError("expected a PagedCache from a PagedKVPool as past_key_values (the 'pagekv' "
+                          "attention reads its pages), got a forward without one")
+    if module.training and dropout:
+        raise PagekvError(f"expected inference (pagekv attention has no dropout), got dropout={dropout} "
+                          "in training mode")
+    batch, num_heads, q_len, head_dim = query.shape
+    rows = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+    options = dict(scale=scaling, sliding_window=sliding_window, logits_soft_cap=softcap)
+    out = torch.empty((batch, q_len, num_heads, head_dim), dtype=query.dtype)
+    if step.qo_indptr is None:  # decode: one real token per row
+        paged_decode_attention(rows, key, value, step.block_table, step.seq_lens,
+                               out=out.view(batch, num_heads, head_dim),
+                               plan=step.decode_plan(sliding_window), **options)
+    elif step.query_rows is None:
+        paged_prefill_attention(rows, key, value, step.block_table, step.seq_lens, step.qo_indptr,
+                                out=out.view(batch * q_len, num_heads, head_dim), **options)
+    else:
+        real = paged_prefill_attention(rows[torch.from_numpy(step.query_rows)], key, value,
+                                       step.block_table, step.seq_lens, step.qo_indptr, **options)
+        out.zero_()
+        out.view(batch * q_len, num_heads, head_dim)[torch.from_numpy(step.query_rows)] = real
+    return out, None
+
+
+def register() -> None:
+    """Register :func:`paged_attention` as ``"pagekv"`` in transformers' AttentionInterface."""
+    AttentionInterface.register(ATTENTION, paged_attention)
+
+
+class PagedKVPool:
+    """The KV pages of one model, and the switch that makes the model compute attention on them.
+
+    Creating a pool allocates every layer's pages as one torch tensor (``storage``, zero-copy under
+    pagekv's kernels), switches the model's attention implementation to ``"pagekv"`` and adds a
+    forward pre-hook (and a forward hook) to its base model; :meth:`close` undoes both.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A decoder-only model whose attention layers call transformers' AttentionInterface and its
+        ``Cache.update`` (the Llama, Mistral and Qwen2 families among others). Its dtype (float32,
+        float16 or bfloat16) is the pages' dtype.
+    num_pages : int
+        Pages in the pool; one page holds ``page_size`` tokens of every layer.
+    page_size : int
+        Tokens per page.
+    max_seqs : int
+        Batch rows alive at once, over every open :class:`PagedCache`.
+    enable_prefix_caching : bool
+        Full pages of token ids seen before are shared instead of stored again (also across
+        ``generate`` calls: a second call with the same system prompt reuses its pages).
+
+    Attributes
+    ----------
+    spec : KVCacheSpec
+    storage : torch.Tensor [num_layers, 2, num_pages, num_kv_heads, page_size, head_dim]
+    manager : KVCacheManager
+        Page tables of every live row; ``stats()`` reports it.
+    """
+
+    def __init__(self, model, *, num_pages, page_size=16, max_seqs=64, enable_prefix_caching=True):
+        config = model.config.get_text_config(decoder=True)
+        if model.dtype not in _DTYPES:
+            raise TypeError(f"expected a float32, float16 or bfloat16 model, got {model.dtype}")
+        if model.device.type != "cpu":
+            raise ValueError(f"expected a model on the CPU, got device {model.device}")
+        num_q_heads = config.num_attention_heads
+        self.spec = KVCacheSpec(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_q_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_q_heads,
+            page_size=page_size, dtype=_DTYPES[model.dtype])
+        max_tokens = getattr(config, "max_position_embeddings", None) or num_pages * page_size
+        self.manager = KVCacheManager(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
+                                      max_pages_per_seq=min(num_pages, -(-max_tokens // page_size)),
+                                      enable_prefix_caching=enable_prefix_caching)
+        s = self.spec
+        self.storage = torch.zeros((s.num_layers, 2, num_pages, s.num_kv_heads, s.page_size, s.head_dim),
+                                   dtype=model.dtype)
+        KVCache(self.spec, num_pages, storage=self.storage)  # checks the layout contract
+        self._k = [self.storage[layer, 0] for layer in range(s.num_layers)]
+        self._v = [self.storage[layer, 1] for layer in range(s.num_layers)]
+        self._ids = itertools.count()
+        self._running: PagedCache | None = None  # the cache of the forward under way
+        self._model = model
+        self._previous_attention = model.config._attn_implementation
+        register()
+        model.set_attn_implementation(ATTENTION)
+        base = model.base_model
+        self._hooks = [base.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                       base.register_forward_hook(self._after_forward)]
+
+    def new_cache(self) -> "PagedCache":
+        """An empty cache for one batch of prompts; pass it to ``generate`` as ``past_key_values``."""
+        return PagedCache(self)
+
+    def generate(self, input_ids, *, attention_mask=None, **kwargs):
+        """``model.generate`` with a fresh :class:`PagedCache`, released when it returns.
+
+        Parameters
+        ----------
+        input_ids : int64 [batch, prompt_len]
+            Left-padded prompts (padding is where ``attention_mask`` is 0).
+        attention_mask : int [batch, prompt_len], optional
+        **kwargs
+            Passed to ``generate`` (``max_new_tokens``, ``do_sample``, ...).
+        """
+        with self.new_cache() as cache:
+            return self._model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                        past_key_values=cache, **kwargs)
+
+    def stats(self) -> ManagerStats:
+        """Occupancy and prefix-cache figures of the pool (see :class:`pagekv.ManagerStats`)."""
+        return self.manager.stats()
+
+    def close(self) -> None:
+        """Remove the hooks and give the model back its previous attention implementation."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._model.set_attn_implementation(self._previous_attention)
+
+    # ----------------------------------------------------------------- the forward hooks
+    def _before_forward(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, PagedCache) or cache.pool is not self:
+            return None
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            raise PagekvError("expected input_ids (token ids key the prefix cache), got inputs_embeds only")
+        kwargs[_STEP] = cache._begin(input_ids, kwargs.get("attention_mask"))
+        self._running = cache
+        return args, kwargs
+
+    def _after_forward(self, module, args, output):
+        if self._running is not None:
+            self._running._finish()
+            self._running = None
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` whose keys and values live in a :class:`PagedKVPool`'s pages.
+
+    One cache serves one batch (one ``generate`` call): its first forward adds one pagekv sequence
+    per batch row (padding excluded; prompt pages found in the prefix cache are shared, not
+    written), later forwards append to them. :meth:`release` (or leaving a ``with`` block, or
+    garbage collection) frees the sequences; their full pages stay in the prefix cache.
+
+    ``get_seq_length`` counts columns (padding included), as transformers expects. Beam search,
+    cropping and reordering are not supported (they raise).
+    """
+
+    def __init__(self, pool: PagedKVPool):
+        super().__init__(layers=[])
+        self.pool = pool
+        self._seq_ids: list = []  # per batch row: its pagekv sequence, None until its first real token
+        self._columns = 0
+        self._step: _Step | None = None
+        self._failed = False
+        weakref.finalize(self, _free_sequences, pool.manager, self._seq_ids)
+
+    def __enter__(self) -> "PagedCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Free this cache's sequences (their full pages stay in the prefix cache); the cache is empty."""
+        _free_sequences(self.pool.manager, self._seq_ids)
+        self._columns, self._step, self._failed = 0, None, False
+
+    # ----------------------------------------------------------------- transformers' Cache API
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Write one layer's new keys and values into their pages; return the layer's page pool.
+
+        Parameters
+        ----------
+        key_states, value_states : float [batch, num_kv_heads, q_len, head_dim]
+
+        Returns
+        -------
+        k_pages, v_pages : torch.Tensor [num_pages, num_kv_heads, page_size, head_dim]
+            Views of the pool (no copy), which the ``"pagekv"`` attention reads.
+        """
+        if self._step is None:
+            raise PagekvError("expected a forward started by the PagedKVPool's hook, got update() "
+                              "outside one (was the model given to this cache's pool?)")
+        batch, heads, q_len, head_dim = key_states.shape
+        k_pages, v_pages = self.pool._k[layer_idx], self.pool._v[layer_idx]
+        write_kv(key_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim),
+                 value_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim),
+                 k_pages, v_pages, self._step.slot_mapping)
+        return k_pages, v_pages
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return self._columns
+
+    def get_mask_sizes(self, query_length, layer_idx):
+        return self._columns + query_length, 0
+
+    def get_max_length(self, layer_idx=None) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.release()
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("PagedCache does not support beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove):
+        raise NotImplementedError("PagedCache does not support cropping (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats):
+        raise NotImplementedError("PagedCache does not support expanding a filled cache")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("PagedCache does not support selecting batch rows")
+
+    # ----------------------------------------------------------------- one forward
+    def _begin(self, input_ids, attention_mask) -> _Step:
+        """Grow the page tables by this forward's real tokens and describe them for the layers."""
+        if self._failed or self._step is not None:
+            raise PagekvError("expected the previous forward on this PagedCache to have finished, got one "
+                              "that raised: release() the cache and start again")
+        ids = input_ids.detach().cpu().numpy()
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"expected input_ids of shape [batch, q_len >= 1], got {tuple(ids.shape)}")
+        batch, q_len = ids.shape
+        if self._seq_ids and len(self._seq_ids) != batch:
+            raise ValueError(f"expected the batch of {len(self._seq_ids)} rows this cache holds, got {batch}")
+        real = self._real_tokens(attention_mask, batch, q_len)
+        if not self._seq_ids:
+            self._seq_ids.extend([None] * batch)
+        manager = self.pool.manager
+        if q_len == 1 and real.all() and None not in self._seq_ids:  # decode: all rows or none
+            slots = manager.append_tokens(self._seq_ids, ids[:, 0])
+        else:
+            slots = self._grow_rows(ids, real)
+        src, dst = manager.take_pending_copies()
+        if len(src):  # copy-on-write of shared partial pages, before any layer writes to them
+            for k_pages, v_pages in zip(self.pool._k, self.pool._v):
+                copy_pages(k_pages, v_pages, src, dst)
+        slot_mapping = np.full(batch * q_len, -1, np.int32)
+        slot_mapping[real.ravel()] = slots
+        all_real = bool(real.all())
+        block_table, seq_lens = self._tables()
+        self._step = _Step(
+            block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
+            query_rows=None if all_real else np.flatnonzero(real.ravel()),
+            qo_indptr=None if q_len == 1 and all_real else np.concatenate(
+                [[0], np.cumsum(real.sum(axis=1))]).astype(np.int32),
+            page_size=manager.page_size)
+        return self._step
+
+    def _real_tokens(self, attention_mask, batch, q_len) -> np.ndarray:
+        """bool [batch, q_len]: which of the new columns are tokens (not padding)."""
+        if attention_mask is None:
+            return np.ones((batch, q_len), bool)
+        mask = attention_mask.detach().cpu().numpy()
+        if mask.shape != (batch, self._columns + q_len):
+            raise ValueError(f"expected a 2-D attention_mask of shape {(batch, self._columns + q_len)} "
+                             f"(columns seen + new), got {mask.shape}")
+        return mask[:, -q_len:] != 0
+
+    def _grow_rows(self, ids, real) -> np.ndarray:
+        """Add or extend each row's sequence by its real tokens; int32 slots of those tokens in row
+        order, -1 for tokens whose page the prefix cache supplied.
+
+        A forward that only adds sequences (the usual prompt forward) frees the ones it added when a
+        later row fails (e.g. OutOfPagesError): no sequence and no page is lost, though full pages
+        of the freed rows stay in the prefix cache, evictable. One that extends existing rows
+        (chunked prefill) may have grown some rows when a later one fails: the cache is marked
+        failed then (release it).
+        """
+        manager = self.pool.manager
+        added = []
+        only_adding = all(self._seq_ids[i] is None for i in np.flatnonzero(real.any(axis=1)))
+        slots = []
+        self._failed = not only_adding
+        try:
+            for i in np.flatnonzero(real.any(axis=1)):
+                tokens = ids[i][real[i]]
+                if self._seq_ids[i] is None:
+                    seq_id = next(self.pool._ids)
+                    hit = manager.add_sequence(seq_id, tokens)
+                    self._seq_ids[i] = seq_id
+                    added.append(i)
+                    row_slots = manager.batch([seq_id], num_new_tokens=len(tokens)).slot_mapping
+                    row_slots[:hit] = -1  # pages shared from the prefix cache already hold this K/V
+                else:
+                    row_slots = manager.append(self._seq_ids[i], tokens)
+                slots.append(row_slots)
+        except BaseException:
+            if only_adding:
+                for i in added:
+                    manager.free(self._seq_ids[i])
+                    self._seq_ids[i] = None
+            raise
+        self._failed = False
+        return np.concatenate(slots) if slots else np.empty(0, np.int32)
+
+    def _tables(self):
+        """block_table int32 [batch, used_pages] and seq_lens int32 [batch] (0 for a row not started)."""
+        manager = self.pool.manager
+        started = [i for i, seq_id in enumerate(self._seq_ids) if seq_id is not None]
+        tables = manager.batch([self._seq_ids[i] for i in started])
+        used_pages = -(-int(tables.seq_lens.max(initial=0)) // manager.page_size)
+        block_table = np.zeros((len(self._seq_ids), used_pages), np.int32)
+        seq_lens = np.zeros(len(self._seq_ids), np.int32)
+        block_table[started] = tables.block_table[:, :used_pages]
+        seq_lens[started] = tables.seq_lens
+        return block_table, seq_lens
+
+    def _finish(self) -> None:
+        """The forward returned: its columns are part of the cache now."""
+        if self._step is not None:
+            self._columns += len(self._step.slot_mapping) // len(self._seq_ids)
+            self._step = None
+
+
+def _free_sequences(manager, seq_ids: list) -> None:
+    """Free every sequence of ``seq_ids`` (None: a row not started) the manager holds; empty the list."""
+    for seq_id in seq_ids:
+        if seq_id is not None and seq_id in manager:
+            manager.free(seq_id)
+    seq_ids.clear()
+
+
+register()

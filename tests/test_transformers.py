@@ -1,0 +1,228 @@
+"""pagekv inside Hugging Face transformers: generate() with PagedCache + "pagekv" attention must give
+what transformers' own DynamicCache + sdpa gives, on tiny models built from configs in code (random
+weights, no download)."""
+
+import gc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+transformers = pytest.importorskip(
+    "transformers", reason="the transformers extra is not installed (pip install pagekv[transformers])")
+
+from transformers import DynamicCache  # noqa: E402
+
+from pagekv import OutOfPagesError, PagekvError  # noqa: E402
+from pagekv.attention import gather_kv  # noqa: E402
+from pagekv.integrations.transformers import PagedKVPool  # noqa: E402
+
+VOCAB = 512
+GREEDY = dict(do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+
+def tiny(family="llama", *, dtype=torch.float32, **overrides):
+    """A 2-layer model of ``family`` with seeded random weights (GQA: 4 query heads, 2 KV heads)."""
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+    options = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    options.update(overrides)
+    torch.manual_seed(0)
+    return model_class(config_class(**options)).to(dtype).eval()
+
+
+def left_padded(lengths, *, seed=1, prefix=()):
+    """int64 [batch, max_len] prompts (``prefix`` then random ids) left-padded with 0, and the mask."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.cat([torch.tensor(prefix, dtype=torch.long),
+                       torch.randint(1, VOCAB, (n - len(prefix),), generator=g)]) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def reference(model, ids, mask, **kwargs):
+    """transformers' default path: DynamicCache + sdpa (the model's attention before any pool)."""
+    assert model.config._attn_implementation == "sdpa"
+    return model.generate(input_ids=ids, attention_mask=mask, **GREEDY, **kwargs)
+
+
+def assert_same_generation(ours, ref, *, logits_atol):
+    np.testing.assert_array_equal(ours.sequences.numpy(), ref.sequences.numpy())
+    for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
+        np.testing.assert_allclose(a.float().numpy(), b.float().numpy(), atol=logits_atol, rtol=0,
+                                   err_msg=f"logits of step {step}")
+
+
+@pytest.fixture
+def llama():
+    return tiny("llama")
+
+
+def test_greedy_generation_matches_sdpa_token_for_token(llama):
+    ids, mask = left_padded([1, 17, 63, 65])  # around page boundaries (page 16), one 1-token prompt
+    ref = reference(llama, ids, mask, max_new_tokens=32)
+    pool = PagedKVPool(llama, num_pages=64, page_size=16)
+    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=32, **GREEDY)
+    assert_same_generation(ours, ref, logits_atol=1e-4)
+    stats = pool.stats()
+    assert stats.num_seqs == 0 and stats.pages_used == stats.pages_cached  # released; only cache left
+    pool.manager.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 64])
+def test_page_sizes_and_chunked_prefill_match_sdpa(llama, page_size):
+    ids, mask = left_padded([9, 40, 23], seed=2)
+    ref = reference(llama, ids, mask, max_new_tokens=12)
+    pool = PagedKVPool(llama, num_pages=512, page_size=page_size)
+    # prefill_chunk_size: the prompt arrives in 16-column forwards, each attending to the pages
+    # of the chunks before it (the prefill kernel over a cached prefix)
+    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=12, prefill_chunk_size=16, **GREEDY)
+    assert_same_generation(ours, ref, logits_atol=1e-4)
+
+
+def test_second_call_with_the_same_system_prompt_reuses_its_pages(llama):
+    system = list(range(100, 148))  # 48 tokens = 3 full pages of 16
+    first_ids, first_mask = left_padded([60, 75], seed=3, prefix=system)
+    second_ids, second_mask = left_padded([52, 90, 49], seed=4, prefix=system)
+    ref = reference(llama, second_ids, second_mask, max_new_tokens=16)
+    pool = PagedKVPool(llama, num_pages=128, page_size=16)
+    pool.generate(first_ids, attention_mask=first_mask, max_new_tokens=16, **GREEDY)
+    before = pool.stats()
+    ours = pool.generate(second_ids, attention_mask=second_mask, max_new_tokens=16, **GREEDY)
+    after = pool.stats()
+    assert_same_generation(ours, ref, logits_atol=1e-4)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 3 * 48  # every row hit 3 pages
+
+
+def test_pages_hold_the_keys_and_values_transformers_computes(llama):
+    ids, mask = left_padded([5, 33, 20], seed=5)
+    dense = DynamicCache(config=llama.config)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, past_key_values=dense)
+    pool = PagedKVPool(llama, num_pages=32, page_size=16)
+    cache = pool.new_cache()
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == ids.shape[1]  # columns, padding included, as transformers counts
+    tables = pool.manager.batch(cache._seq_ids)
+    for layer in range(llama.config.num_hidden_layers):
+        k, v, indptr = gather_kv(pool.storage[layer, 0], pool.storage[layer, 1],
+                                 tables.block_table, tables.seq_lens)
+        for row in range(len(ids)):
+            real = mask[row].bool()
+            for paged, layer_cache in ((k, dense.layers[layer].keys), (v, dense.layers[layer].values)):
+                expected = layer_cache[row][:, real].transpose(0, 1).numpy()  # [tokens, heads, dim]
+                np.testing.assert_allclose(paged[indptr[row]:indptr[row + 1]], expected, atol=1e-5)
+    cache.release()
+    assert pool.stats().num_seqs == 0
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("mistral", dict(sliding_window=24)),  # window shorter than the prompts: the kernels' window
+    ("qwen2", dict()),                      # q/k/v biases
+])
+def test_other_families_match_sdpa(family, overrides):
+    model = tiny(family, **overrides)
+    ids, mask = left_padded([30, 47, 11], seed=6)
+    ref = reference(model, ids, mask, max_new_tokens=16)
+    pool = PagedKVPool(model, num_pages=64, page_size=16)
+    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY)
+    assert_same_generation(ours, ref, logits_atol=1e-4)
+
+
+def test_bfloat16_model_keeps_bfloat16_pages_and_close_logits():
+    model = tiny("llama", dtype=torch.bfloat16)
+    ids, mask = left_padded([19, 40], seed=7)
+    ref = reference(model, ids, mask, max_new_tokens=1)
+    pool = PagedKVPool(model, num_pages=16, page_size=16)
+    assert pool.storage.dtype == torch.bfloat16 and pool.spec.dtype == "bfloat16"
+    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=1, **GREEDY)
+    # one bf16 rounding of the attention output differs between the two paths: a few bf16 ulps
+    np.testing.assert_allclose(ours.logits[0].float().numpy(), ref.logits[0].float().numpy(), atol=0.05)
+
+
+def test_close_gives_the_model_back_to_sdpa(llama):
+    ids, mask = left_padded([8, 12], seed=8)
+    ref = reference(llama, ids, mask, max_new_tokens=4)
+    pool = PagedKVPool(llama, num_pages=16)
+    assert llama.config._attn_implementation == "pagekv"
+    pool.close()
+    again = reference(llama, ids, mask, max_new_tokens=4)
+    np.testing.assert_array_equal(again.sequences.numpy(), ref.sequences.numpy())
+
+
+def test_a_dropped_cache_frees_its_sequences(llama):
+    ids, mask = left_padded([20, 30], seed=9)
+    pool = PagedKVPool(llama, num_pages=16, page_size=16, enable_prefix_caching=False)
+    cache = pool.new_cache()
+    llama.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3,
+                   do_sample=False, pad_token_id=0)
+    assert pool.stats().num_seqs == 2
+    del cache
+    gc.collect()
+    assert pool.stats().num_seqs == 0 and pool.stats().pages_used == 0
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_pagekv_attention_without_a_paged_cache_says_so(llama):
+    PagedKVPool(llama, num_pages=16)
+    ids, mask = left_padded([6], seed=10)
+    with pytest.raises(PagekvError, match="expected a PagedCache"):
+        llama(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=llama.config))
+
+
+def test_inputs_embeds_only_is_refused(llama):
+    pool = PagedKVPool(llama, num_pages=16)
+    embeds = llama.get_input_embeddings()(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(PagekvError, match="expected input_ids"):
+        llama(inputs_embeds=embeds, past_key_values=pool.new_cache())
+    assert pool.stats().pages_used == 0
+
+
+def test_bad_masks_change_nothing_and_padding_rows_wait_for_their_first_token(llama):
+    pool = PagedKVPool(llama, num_pages=16)
+    ids, mask = left_padded([4, 9], seed=11)
+    cache = pool.new_cache()
+    with pytest.raises(ValueError, match=r"expected a 2-D attention_mask of shape \(2, 9\)"):
+        llama(input_ids=ids, attention_mask=mask[:, 1:], past_key_values=cache)
+    assert pool.stats() == PagedKVPool(tiny(), num_pages=16).stats()  # an untouched pool's figures
+    assert cache.get_seq_length() == 0 and cache._seq_ids == []
+    mask[0] = 0  # row 0 all padding: no sequence until a real token arrives
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        assert pool.stats().num_seqs == 1 and cache._seq_ids[0] is None
+        with pytest.raises(ValueError, match="expected the batch of 2 rows"):
+            llama(input_ids=ids[:1, :1], attention_mask=mask[:1], past_key_values=cache)
+        llama(input_ids=ids[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
+              past_key_values=cache)
+    assert pool.stats().num_seqs == 2 and pool.stats().num_tokens == 1 + 10
+
+
+def test_running_out_of_pages_adds_no_sequence_and_loses_no_page(llama):
+    pool = PagedKVPool(llama, num_pages=3, page_size=16)
+    ids, mask = left_padded([20, 20], seed=12)  # 2 pages each, 4 needed
+    with pytest.raises(OutOfPagesError):
+        pool.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    stats = pool.stats()
+    # row 0 was added, then freed: its full page stays in the prefix cache (evictable), no page is held
+    assert stats.num_seqs == 0 and stats.pages_used == stats.pages_cached == 1
+    pool.manager.check()
+    ids, mask = left_padded([33], seed=13)  # 3 pages: the cached page is evicted for it
+    pool.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+
+def test_unsupported_cache_operations_raise(llama):
+    cache = PagedKVPool(llama, num_pages=4).new_cache()
+    for call in (lambda: cache.reorder_cache(torch.tensor([0])), lambda: cache.crop(1),
+                 lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices([0])):
+        with pytest.raises(NotImplementedError, match="PagedCache does not support"):
+            call()
