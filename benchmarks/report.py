@@ -98,6 +98,22 @@ def manager_table(benchmarks):
     return "\n".join(lines)
 
 
+def transformers_table(benchmarks):
+    rows = [b for b in benchmarks if b["extra_info"].get("kind") == "transformers"]
+    if not rows:
+        return ""
+    ms = defaultdict(dict)
+    for bench in rows:
+        info = bench["extra_info"]
+        ms[(info["batch"], info["context"])][info["impl"]] = bench["stats"]["median"] * 1e3
+    lines = ["| batch | context | pagekv ms/token | sdpa + DynamicCache ms/token | sdpa ÷ pagekv |",
+             "|---|---|---|---|---|"]
+    for (batch, context), impls in sorted(ms.items()):
+        lines.append(f"| {batch} | {context} | {impls['pagekv']:.2f} | {impls['sdpa']:.2f} "
+                     f"| {impls['sdpa'] / impls['pagekv']:.2f}× |")
+    return "\n".join(lines)
+
+
 def main(path):
     with open(path) as f:
         data = json.load(f)
@@ -109,6 +125,7 @@ def main(path):
         print(allocator_tables(data["benchmarks"]))
     print(attention_tables(data["benchmarks"]))
     print(manager_table(data["benchmarks"]))
+    print(transformers_table(data["benchmarks"]))
 
 
 if __name__ == "__main__":

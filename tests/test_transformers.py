@@ -3,6 +3,9 @@ what transformers' own DynamicCache + sdpa gives, on tiny models built from conf
 weights, no download)."""
 
 import gc
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -226,3 +229,13 @@ def test_unsupported_cache_operations_raise(llama):
                  lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices([0])):
         with pytest.raises(NotImplementedError, match="PagedCache does not support"):
             call()
+
+
+def test_the_example_runs_and_agrees_with_transformers():
+    example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "transformers_generate.py"
+    result = subprocess.run([sys.executable, str(example), "--compare", "--max-new-tokens", "8"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("same tokens as transformers' default path: True") == 2
+    hits = [int(part.split()[0]) for part in result.stdout.split("hits so far: ")[1:]]
+    assert len(hits) == 2 and hits[1] > hits[0]  # the second call reused the first call's pages

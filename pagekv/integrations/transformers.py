@@ -25,9 +25,9 @@ import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache
+import torch  # type: ignore[import-not-found, unused-ignore]  # the extra: torch
+from transformers import AttentionInterface  # type: ignore[import-not-found, unused-ignore]
+from transformers.cache_utils import Cache  # type: ignore[import-not-found, unused-ignore]
 
 from pagekv.attention import (
     copy_pages,

@@ -1,0 +1,66 @@
+"""A transformers model decoding on pagekv (PagedCache + "pagekv" attention) against its default path
+(DynamicCache + sdpa), per generated token, at 2K and 8K tokens of context, in one run.
+
+    pytest benchmarks/bench_transformers.py --benchmark-only --benchmark-json=transformers.json
+    python benchmarks/report.py transformers.json
+
+One round = one decode forward of the whole batch (the cache grows by one token per round, under 1%
+of the context over a benchmark). The default path's time includes DynamicCache's torch.cat growth,
+which is what its users pay per token.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+transformers = pytest.importorskip(
+    "transformers", reason="the transformers extra is not installed (pip install pagekv[transformers])")
+
+from pagekv.integrations.transformers import PagedKVPool  # noqa: E402
+
+CONTEXTS = [2048, 8192]
+BATCHES = [1, 4]
+PAGE_SIZE = 16
+# A small Llama with a real attention shape (head_dim 64, GQA 4:1) and random weights.
+CONFIG = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+
+
+def prefilled(model, impl, batch, context):
+    """A cache holding ``context`` prompt tokens per row, and the next tokens to feed."""
+    ids = torch.randint(1, CONFIG["vocab_size"], (batch, context), generator=torch.Generator().manual_seed(1))
+    if impl == "pagekv":
+        pool = PagedKVPool(model, num_pages=batch * (context + 256) // PAGE_SIZE, page_size=PAGE_SIZE)
+        cache = pool.new_cache()
+    else:
+        pool, cache = None, transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache).logits
+    return pool, cache, logits[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("impl", ["pagekv", "sdpa"])
+def test_decode_token(benchmark, model, impl, batch, context):
+    pool, cache, next_ids = prefilled(model, impl, batch, context)
+    state = {"ids": next_ids}
+
+    def decode_step():
+        with torch.no_grad():
+            logits = model(input_ids=state["ids"], past_key_values=cache).logits
+        state["ids"] = logits[:, -1:].argmax(-1)
+
+    benchmark.group = f"transformers decode|batch {batch}|context {context}"
+    benchmark.extra_info.update(kind="transformers", impl=impl, batch=batch, context=context)
+    try:
+        benchmark.pedantic(decode_step, rounds=30, warmup_rounds=2)
+    finally:
+        if pool is not None:
+            cache.release()
+            pool.close()
