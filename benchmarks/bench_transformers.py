@@ -9,6 +9,8 @@ of the context over a benchmark). The default path's time includes DynamicCache'
 which is what its users pay per token.
 """
 
+import inspect
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
@@ -32,28 +34,30 @@ def model():
 
 
 def prefilled(model, impl, batch, context):
-    """A cache holding ``context`` prompt tokens per row, and the next tokens to feed."""
+    """A cache holding ``context`` prompt tokens per row, the keyword it goes under, the next tokens."""
     ids = torch.randint(1, CONFIG["vocab_size"], (batch, context), generator=torch.Generator().manual_seed(1))
     if impl == "pagekv":
         pool = PagedKVPool(model, num_pages=batch * (context + 256) // PAGE_SIZE, page_size=PAGE_SIZE)
         cache = pool.new_cache()
     else:
         pool, cache = None, transformers.DynamicCache(config=model.config)
+    # transformers 5.24 renamed forward's `past_key_values` to `cache`
+    keyword = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache).logits
-    return pool, cache, logits[:, -1:].argmax(-1)
+        logits = model(input_ids=ids, **{keyword: cache}).logits
+    return pool, {keyword: cache}, logits[:, -1:].argmax(-1)
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("impl", ["pagekv", "sdpa"])
 def test_decode_token(benchmark, model, impl, batch, context):
-    pool, cache, next_ids = prefilled(model, impl, batch, context)
+    pool, cache_kwarg, next_ids = prefilled(model, impl, batch, context)
     state = {"ids": next_ids}
 
     def decode_step():
         with torch.no_grad():
-            logits = model(input_ids=state["ids"], past_key_values=cache).logits
+            logits = model(input_ids=state["ids"], **cache_kwarg).logits
         state["ids"] = logits[:, -1:].argmax(-1)
 
     benchmark.group = f"transformers decode|batch {batch}|context {context}"
@@ -62,5 +66,6 @@ def test_decode_token(benchmark, model, impl, batch, context):
         benchmark.pedantic(decode_step, rounds=30, warmup_rounds=2)
     finally:
         if pool is not None:
-            cache.release()
             pool.close()
+            for cache in cache_kwarg.values():
+                cache.release()

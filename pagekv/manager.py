@@ -18,7 +18,7 @@ from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
 from pagekv.prefix import ROOT_KEY, PrefixCache, chain_keys, page_key
 from pagekv.tables import csr_from_padded, slots_of_last_tokens
 
-__all__ = ["KVCacheManager", "ManagerStats", "Batch"]
+__all__ = ["KVCacheManager", "ManagerStats", "Batch", "DetachedSequence"]
 
 _MAX_TOKEN = 2**31 - 1
 
@@ -58,6 +58,20 @@ class Batch:
     kv_indices: np.ndarray | None = None
     kv_last_page_len: np.ndarray | None = None
     slot_mapping: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class DetachedSequence:
+    """What :meth:`KVCacheManager.attach` needs to bring a detached sequence back (no pages).
+
+    num_tokens : int; last_key : bytes, the prefix key of its last full page; tail : int32
+    [num_tokens % page_size], token ids of its partly filled last page (both continue its prefix
+    chain, so pages it fills after coming back are cached under the right keys).
+    """
+
+    num_tokens: int
+    last_key: bytes
+    tail: np.ndarray
 
 
 class KVCacheManager:
@@ -345,6 +359,52 @@ class KVCacheManager:
         del self._rows[seq_id]
         self.seq_lens[row] = 0
         self._free_rows.append(row)
+
+    def detach(self, seq_id) -> DetachedSequence:
+        """Release ``seq_id``'s pages like :meth:`free`, keeping what :meth:`attach` needs.
+
+        For swapping: copy the sequence's KV out of ``page_table(seq_id)`` first — once detached,
+        its pages may be handed to anyone.
+        """
+        row = self._row(seq_id)
+        length = int(self.seq_lens[row])
+        record = DetachedSequence(length, self._last_key[row],
+                                  self._tail[row, :length % self.page_size].copy())
+        self.free(seq_id)
+        return record
+
+    def attach(self, seq_id, record: DetachedSequence) -> np.ndarray:
+        """Bring a detached sequence back as ``seq_id`` on fresh pages, all-or-nothing.
+
+        Returns
+        -------
+        int32 [num_pages_of_seq]
+            Its new page table: copy its KV into these pages before a forward reads them. They
+            are not offered to the prefix cache (their keys were not kept); pages it fills later are.
+
+        Raises
+        ------
+        ValueError
+            ``seq_id`` already held, no free row, or too long for ``max_pages_per_seq``.
+        OutOfPagesError
+            Not enough pages even after evicting the prefix cache; nothing changed.
+        """
+        if not isinstance(record, DetachedSequence):
+            raise TypeError(f"expected a DetachedSequence from detach(), got {type(record).__name__}")
+        if seq_id in self._rows:
+            raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
+        num_pages = self._num_pages(record.num_tokens)
+        self._check_capacity(num_pages, record.num_tokens)
+        if not self._free_rows:
+            raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
+        fresh = self._take_pages(num_pages, keep=())
+        row = self._free_rows.pop()
+        self.block_table[row, :num_pages] = fresh
+        self.seq_lens[row] = record.num_tokens
+        self._last_key[row] = record.last_key
+        self._tail[row, :len(record.tail)] = record.tail
+        self._rows[seq_id] = row
+        return fresh.copy()
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached page; pages no sequence uses return to the pool."""

@@ -39,6 +39,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.prompts = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
         self.next_id = 0
         self.last_slots = None
+        self.detached = []  # (seq_id, fast record, twin record) of detached sequences
 
     def both(self, name, *args):
         got = outcome(getattr(self.fast, name), *args)
@@ -81,6 +82,34 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(seq=consumes(seqs))
     def free(self, seq):
         self.both("free", seq)
+
+    @rule(seq=consumes(seqs))
+    def detach(self, seq):
+        """Swap-out bookkeeping: the sequence leaves its pages and keeps a record of itself."""
+        records = []
+        for manager in (self.fast, self.twin):
+            try:
+                records.append(manager.detach(seq))
+            except PagekvError as exc:
+                records.append(type(exc).__name__)
+        assert isinstance(records[0], str) == isinstance(records[1], str), f"detach({seq}): {records}"
+        if not isinstance(records[0], str):
+            self.detached.append((seq, *records))
+
+    @rule(target=seqs, data=st.data())
+    def attach(self, data):
+        if not self.detached:
+            return -1
+        index = data.draw(st.integers(0, len(self.detached) - 1))
+        seq, fast_record, twin_record = self.detached[index]
+        got = outcome(self.fast.attach, seq, fast_record)
+        expected = outcome(self.twin.attach, seq, twin_record)
+        assert got[0] == expected[0], f"attach({seq}): fast {got} != twin {expected}"
+        if got[0] == "error":  # refused: nothing changed, the record stays for a later try
+            assert got == expected
+            return -1
+        del self.detached[index]
+        return seq
 
     @rule()
     def clear(self):

@@ -3,6 +3,7 @@ what transformers' own DynamicCache + sdpa gives, on tiny models built from conf
 weights, no download)."""
 
 import gc
+import inspect
 import pathlib
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from pagekv import OutOfPagesError, PagekvError  # noqa: E402
 from pagekv.attention import gather_kv  # noqa: E402
 from pagekv.integrations.transformers import PagedKVPool  # noqa: E402
 
+# transformers 5.24 renamed forward's and generate's `past_key_values` to `cache`
+CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
 VOCAB = 512
 GREEDY = dict(do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
 
@@ -110,11 +113,11 @@ def test_pages_hold_the_keys_and_values_transformers_computes(llama):
     ids, mask = left_padded([5, 33, 20], seed=5)
     dense = DynamicCache(config=llama.config)
     with torch.no_grad():
-        llama(input_ids=ids, attention_mask=mask, past_key_values=dense)
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: dense})
     pool = PagedKVPool(llama, num_pages=32, page_size=16)
     cache = pool.new_cache()
     with torch.no_grad():
-        llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
     assert cache.get_seq_length() == ids.shape[1]  # columns, padding included, as transformers counts
     tables = pool.manager.batch(cache._seq_ids)
     for layer in range(llama.config.num_hidden_layers):
@@ -167,7 +170,7 @@ def test_a_dropped_cache_frees_its_sequences(llama):
     ids, mask = left_padded([20, 30], seed=9)
     pool = PagedKVPool(llama, num_pages=16, page_size=16, enable_prefix_caching=False)
     cache = pool.new_cache()
-    llama.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3,
+    llama.generate(input_ids=ids, attention_mask=mask, **{CACHE: cache}, max_new_tokens=3,
                    do_sample=False, pad_token_id=0)
     assert pool.stats().num_seqs == 2
     del cache
@@ -177,17 +180,17 @@ def test_a_dropped_cache_frees_its_sequences(llama):
 
 # ------------------------------------------------------------------------------------ bad input
 def test_pagekv_attention_without_a_paged_cache_says_so(llama):
-    PagedKVPool(llama, num_pages=16)
+    assert PagedKVPool(llama, num_pages=16).cache_keyword == CACHE
     ids, mask = left_padded([6], seed=10)
     with pytest.raises(PagekvError, match="expected a PagedCache"):
-        llama(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=llama.config))
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: DynamicCache(config=llama.config)})
 
 
 def test_inputs_embeds_only_is_refused(llama):
     pool = PagedKVPool(llama, num_pages=16)
     embeds = llama.get_input_embeddings()(torch.tensor([[5, 6, 7]]))
     with pytest.raises(PagekvError, match="expected input_ids"):
-        llama(inputs_embeds=embeds, past_key_values=pool.new_cache())
+        llama(inputs_embeds=embeds, **{CACHE: pool.new_cache()})
     assert pool.stats().pages_used == 0
 
 
@@ -196,17 +199,17 @@ def test_bad_masks_change_nothing_and_padding_rows_wait_for_their_first_token(ll
     ids, mask = left_padded([4, 9], seed=11)
     cache = pool.new_cache()
     with pytest.raises(ValueError, match=r"expected a 2-D attention_mask of shape \(2, 9\)"):
-        llama(input_ids=ids, attention_mask=mask[:, 1:], past_key_values=cache)
+        llama(input_ids=ids, attention_mask=mask[:, 1:], **{CACHE: cache})
     assert pool.stats() == PagedKVPool(tiny(), num_pages=16).stats()  # an untouched pool's figures
     assert cache.get_seq_length() == 0 and cache._seq_ids == []
     mask[0] = 0  # row 0 all padding: no sequence until a real token arrives
     with torch.no_grad():
-        llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
         assert pool.stats().num_seqs == 1 and cache._seq_ids[0] is None
         with pytest.raises(ValueError, match="expected the batch of 2 rows"):
-            llama(input_ids=ids[:1, :1], attention_mask=mask[:1], past_key_values=cache)
+            llama(input_ids=ids[:1, :1], attention_mask=mask[:1], **{CACHE: cache})
         llama(input_ids=ids[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
-              past_key_values=cache)
+              **{CACHE: cache})
     assert pool.stats().num_seqs == 2 and pool.stats().num_tokens == 1 + 10
 
 

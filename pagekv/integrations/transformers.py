@@ -2,7 +2,7 @@
 
 Three extension points of transformers 5.x (read from its source) carry the integration:
 
-1. :class:`PagedCache`, a ``transformers.Cache`` passed as ``past_key_values``: each layer's
+1. :class:`PagedCache`, a ``transformers.Cache`` passed as the model's cache: each layer's
    ``update`` writes the new keys and values into pagekv pages (``write_kv``) and hands the layer's
    page pool on, never a dense history;
 2. an attention function registered as ``"pagekv"`` in ``transformers.AttentionInterface``: it runs
@@ -20,6 +20,7 @@ Examples
 >>> pool.stats().prefix_hit_tokens                                    # doctest: +SKIP
 """
 
+import inspect
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     """
     step = kwargs.get(_STEP)
     if not isinstance(step, _Step):
-        raise PagekvError("expected a PagedCache from a PagedKVPool as past_key_values (the 'pagekv' "
+        raise PagekvError("expected a PagedCache from a PagedKVPool as the forward's cache (the 'pagekv' "
                           "attention reads its pages), got a forward without one")
     if module.training and dropout:
         raise PagekvError(f"expected inference (pagekv attention has no dropout), got dropout={dropout} "
@@ -166,6 +167,9 @@ class PagedKVPool:
     storage : torch.Tensor [num_layers, 2, num_pages, num_kv_heads, page_size, head_dim]
     manager : KVCacheManager
         Page tables of every live row; ``stats()`` reports it.
+    cache_keyword : {"cache", "past_key_values"}
+        The name under which this transformers version's ``forward`` and ``generate`` take a
+        cache (``cache`` from 5.24 on).
     """
 
     def __init__(self, model, *, num_pages, page_size=16, max_seqs=64, enable_prefix_caching=True):
@@ -193,6 +197,10 @@ class PagedKVPool:
         self._ids = itertools.count()
         self._running: PagedCache | None = None  # the cache of the forward under way
         self._model = model
+        # transformers 5.24 renamed the cache argument of forward and generate to `cache`
+        # (`past_key_values` still works there, with a FutureWarning)
+        self.cache_keyword = ("cache" if "cache" in inspect.signature(model.base_model.forward).parameters
+                              else "past_key_values")
         self._previous_attention = model.config._attn_implementation
         register()
         model.set_attn_implementation(ATTENTION)
@@ -201,7 +209,7 @@ class PagedKVPool:
                        base.register_forward_hook(self._after_forward)]
 
     def new_cache(self) -> "PagedCache":
-        """An empty cache for one batch of prompts; pass it to ``generate`` as ``past_key_values``."""
+        """An empty cache for one batch of prompts; pass it to ``generate`` under ``cache_keyword``."""
         return PagedCache(self)
 
     def generate(self, input_ids, *, attention_mask=None, **kwargs):
@@ -217,7 +225,7 @@ class PagedKVPool:
         """
         with self.new_cache() as cache:
             return self._model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                        past_key_values=cache, **kwargs)
+                                        **{self.cache_keyword: cache}, **kwargs)
 
     def stats(self) -> ManagerStats:
         """Occupancy and prefix-cache figures of the pool (see :class:`pagekv.ManagerStats`)."""
@@ -232,7 +240,7 @@ class PagedKVPool:
 
     # ----------------------------------------------------------------- the forward hooks
     def _before_forward(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(self.cache_keyword)
         if not isinstance(cache, PagedCache) or cache.pool is not self:
             return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -250,6 +258,9 @@ class PagedKVPool:
 
 class PagedCache(Cache):
     """A transformers ``Cache`` whose keys and values live in a :class:`PagedKVPool`'s pages.
+
+    Pass it to ``generate`` or ``forward`` as ``cache=`` (transformers >= 5.24) or
+    ``past_key_values=`` (5.23): ``pool.cache_keyword`` says which.
 
     One cache serves one batch (one ``generate`` call): its first forward adds one pagekv sequence
     per batch row (padding excluded; prompt pages found in the prefix cache are shared, not

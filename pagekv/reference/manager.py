@@ -200,6 +200,27 @@ class ReferenceKVCacheManager:
                 self.lru.append(page)
         del self.tables[seq_id], self.tokens[seq_id], self.offered[seq_id]
 
+    def detach(self, seq_id):
+        self._seq(seq_id)
+        record = (list(self.tokens[seq_id]), self.offered[seq_id])
+        self.free(seq_id)
+        return record
+
+    def attach(self, seq_id, record):
+        tokens, _ = record
+        if seq_id in self.tables:
+            raise ValueError(f"expected a new seq_id, got {seq_id!r}")
+        num_pages = self._pages(len(tokens))
+        if num_pages > self.max_pages_per_seq:
+            raise ValueError("expected a sequence within max_pages_per_seq")
+        if len(self.tables) == self.max_seqs:
+            raise ValueError("expected at most max_seqs sequences")
+        fresh = self._take(num_pages, set())
+        self.tables[seq_id] = fresh
+        self.tokens[seq_id] = list(tokens)
+        self.offered[seq_id] = len(tokens) // self.page_size  # its full pages are not offered again
+        return list(fresh)
+
     def clear_prefix_cache(self):
         pages = list(self.key_of)
         self.page_of.clear()
