@@ -114,6 +114,19 @@ def transformers_table(benchmarks):
     return "\n".join(lines)
 
 
+def swap_table(benchmarks):
+    rows = {b["extra_info"]["op"]: b for b in benchmarks if b["extra_info"].get("kind") == "swap"}
+    if "numpy copyto" not in rows:
+        return ""
+    base = rows["numpy copyto"]
+    base_gbs = base["extra_info"]["nbytes"] / base["stats"]["median"] / 1e9
+    lines = ["| operation | GB/s | ÷ plain copy |", "|---|---|---|"]
+    for op, bench in rows.items():
+        gbs = bench["extra_info"]["nbytes"] / bench["stats"]["median"] / 1e9
+        lines.append(f"| {op} | {gbs:.1f} | {gbs / base_gbs:.0%} |")
+    return "\n".join(lines)
+
+
 def main(path):
     with open(path) as f:
         data = json.load(f)
@@ -126,6 +139,7 @@ def main(path):
     print(attention_tables(data["benchmarks"]))
     print(manager_table(data["benchmarks"]))
     print(transformers_table(data["benchmarks"]))
+    print(swap_table(data["benchmarks"]))
 
 
 if __name__ == "__main__":

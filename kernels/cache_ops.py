@@ -70,3 +70,23 @@ def merge_states(o_a, lse_a, o_b, lse_b, o_out, lse_out):
             for d in range(o_a.shape[2]):
                 o_out[i, h, d] = (wa * o_a[i, h, d] + wb * o_b[i, h, d]) / total
             lse_out[i, h] = top + np.log(total)
+
+
+@njit(parallel=True, **_JIT)
+def copy_across(src, dst, src_pages, dst_pages):
+    """Copy pages between two pools: ``dst[:, dst_pages[i]] = src[:, src_pages[i]]`` (swapping).
+
+    src : [planes, src_num_pages, page_elems]; dst : [planes, dst_num_pages, page_elems], same dtype
+    (planes = num_layers * 2: every layer's K and V). Work items are (page, plane) pairs.
+    """
+    planes = src.shape[0]
+    for w in prange(src_pages.shape[0] * planes):
+        page, plane = w // planes, w % planes
+        dst[plane, dst_pages[page], :] = src[plane, src_pages[page], :]
+
+
+@njit(**_JIT)
+def copy_across_serial(src, dst, src_pages, dst_pages):
+    """:func:`copy_across` on one core, for a background thread (the GIL is released meanwhile)."""
+    for page in range(src_pages.shape[0]):
+        dst[:, dst_pages[page], :] = src[:, src_pages[page], :]

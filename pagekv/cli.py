@@ -12,6 +12,7 @@ import re
 import sys
 
 from pagekv.models import MAX_CONTEXT, PRESETS, ModelShape
+from pagekv.sim import POLICIES
 
 __all__ = ["main"]
 
@@ -83,8 +84,10 @@ def build_parser():
     sim.add_argument("--max-seqs", type=_positive, default=256, help="running sequences at most")
     sim.add_argument("--max-new-tokens", type=_positive, default=2048,
                      help="output cap; contiguous reserves prompt + this (default: 2048)")
-    sim.add_argument("--policies", nargs="+", choices=["contiguous", "paged", "paged+prefix"],
-                     default=["contiguous", "paged", "paged+prefix"], help="policies to compare")
+    sim.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
+                     help="policies to compare (default: all)")
+    sim.add_argument("--swap-memory", type=parse_size, default=parse_size("64GiB"),
+                     help="paged+swap: host memory for swapped-out pages (default: 64GiB)")
     sim.add_argument("--attention", action="store_true",
                      help="also run the real decode kernel on one layer of random KV pages "
                      "(every 16th step) and report its time per step and GB/s")

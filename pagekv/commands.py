@@ -50,7 +50,8 @@ def simulate(args, model_of):
     if not requests:
         raise CommandError("expected at least one request in the trace, got none")
     config = SimConfig(model=model, memory_bytes=args.memory, page_size=args.page_size,
-                       dtype=args.dtype, max_seqs=args.max_seqs, max_new_tokens=args.max_new_tokens)
+                       dtype=args.dtype, max_seqs=args.max_seqs, max_new_tokens=args.max_new_tokens,
+                       swap_memory_bytes=args.swap_memory)
     if config.num_pages < 1:
         raise CommandError(f"expected a budget of at least one page ({config.spec.bytes_per_page} B), "
                            f"got {args.memory} B")
@@ -78,6 +79,12 @@ def simulate(args, model_of):
     print("\nmem: share of the KV budget held by running sequences (reserved or paged); frag: share "
           "held but empty; prefix hit: prompt tokens served from cache; times are simulated "
           "(pagekv.sim.CostModel).")
+    for r in results:
+        if r.policy == "paged+swap":
+            print(f"paged+swap: {r.swap_outs} of {r.preemptions} preemptions swapped to host memory instead "
+                  f"of recomputed ({r.swap_out_bytes / 2**30:.2f} GiB out, {r.swap_in_bytes / 2**30:.2f} "
+                  f"GiB in at {config.cost.swap_bandwidth_bytes_s / 1e9:.0f} GB/s); "
+                  f"{r.swap_in_hidden_fraction:.0%} of swap-in time hidden behind compute")
     for policy, figures in kernel.items():
         if figures.get("calls"):
             seconds = figures["seconds"] / figures["calls"]

@@ -134,6 +134,9 @@ class KVCacheManager:
         self._last_key = [ROOT_KEY] * max_seqs                  # prefix key of the last full page
         self._tail = np.zeros((max_seqs, page_size), np.int32)  # token ids of the partial last page
         self._pending: list[tuple[int, int]] = []
+        # Called as on_evict(keys, pages) just before cached pages are evicted (their KV is still
+        # there): a second tier can keep them (pagekv.swap.TieredKVCache sets it).
+        self.on_evict = None
         self._hit_tokens = 0
         self._query_tokens = 0
 
@@ -174,6 +177,16 @@ class KVCacheManager:
         except ValueError:
             return False
         return needed <= self._obtainable(())
+
+    @property
+    def free_rows(self) -> int:
+        """Sequences that can still be added (rows of the page tables not in use)."""
+        return len(self._free_rows)
+
+    def pages_obtainable(self, *, keep=()) -> int:
+        """Pages an allocation could get now: free ones plus cached ones no sequence uses (those in
+        ``keep`` excepted)."""
+        return self._obtainable(set(keep))
 
     def stats(self) -> ManagerStats:
         """Occupancy and prefix-cache figures (see :class:`ManagerStats`)."""
@@ -406,6 +419,36 @@ class KVCacheManager:
         self._rows[seq_id] = row
         return fresh.copy()
 
+    def restore_cached(self, keys, *, keep=()) -> np.ndarray:
+        """Put full pages back into the prefix cache under ``keys``, on fresh pages (all-or-nothing).
+
+        For a second tier that kept evicted prefix pages: the restored pages are cached and
+        evictable (most recently released), so a following ``add_sequence`` of a prompt with
+        these keys hits them.
+
+        Parameters
+        ----------
+        keys : list of bytes
+            Prefix keys, none of them cached now.
+        keep : iterable of int
+            Cached pages that must not be evicted to make room (e.g. the prompt's hot hits).
+
+        Returns
+        -------
+        int32 [len(keys)]
+            The pages: copy their KV in before a forward reads them.
+        """
+        if self.prefix is None:
+            raise ValueError("expected a manager with prefix caching, got enable_prefix_caching=False")
+        cached = [key for key in keys if key in self.prefix.page_of]
+        if cached or len(set(keys)) != len(keys):
+            raise ValueError(f"expected distinct keys not cached yet, got {len(cached)} cached or repeated")
+        pages = self._take_pages(len(keys), keep=set(keep))
+        for key, page in zip(keys, pages.tolist()):
+            self.prefix.insert(key, page)  # the allocation's reference becomes the cache's
+            self.prefix.evictable[page] = None
+        return pages
+
     def clear_prefix_cache(self) -> None:
         """Drop every cached page; pages no sequence uses return to the pool."""
         if self.prefix is not None:
@@ -481,7 +524,10 @@ class KVCacheManager:
             obtainable = self._obtainable(keep)
             if count > obtainable:
                 raise OutOfPagesError(count, obtainable)
-            self.allocator.decref(self.prefix.evict(shortfall, keep=keep))
+            victims = self.prefix.evict(shortfall, keep=keep)
+            if self.on_evict is not None:
+                self.on_evict([key for key, _ in victims], np.array([p for _, p in victims], np.int32))
+            self.allocator.decref([page for _, page in victims])
         return self.allocator.allocate(count)
 
     def _pages_for_append(self, row, num_tokens):

@@ -84,7 +84,7 @@ class PrefixCache:
     def evict(self, count, *, keep=()):
         """Forget the ``count`` least recently released evictable pages, except those in ``keep``.
 
-        Returns the evicted pages (the caller drops the cache's reference on each).
+        Returns (key, page) of each evicted page (the caller drops the cache's reference on each).
         """
         victims = []
         for page in self.evictable:
@@ -92,10 +92,13 @@ class PrefixCache:
                 break
             if page not in keep:
                 victims.append(page)
+        evicted = []
         for page in victims:
             del self.evictable[page]
-            del self.page_of[self.key_of.pop(page)]
-        return victims
+            key = self.key_of.pop(page)
+            del self.page_of[key]
+            evicted.append((key, page))
+        return evicted
 
     def clear(self):
         """Forget every cached page; returns them (the caller drops the cache's references)."""

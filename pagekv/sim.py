@@ -6,7 +6,11 @@ Three KV-memory policies replay the same trace under the same budget:
   (prompt + ``max_new_tokens``), first fit in a linear address space — the allocation the design
   note starts from, with its external fragmentation;
 - ``paged``: pages on demand from :class:`pagekv.KVCacheManager`, prefix caching off;
-- ``paged+prefix``: the same with prefix caching on.
+- ``paged+prefix``: the same with prefix caching on;
+- ``paged+swap``: ``paged+prefix`` whose preemptions swap a sequence's pages to a host tier
+  (``SimConfig.swap_memory_bytes``) instead of recomputing it, whenever the round trip over the
+  host link costs less than the recompute; a swapped sequence resumes (before new admissions) when
+  its pages fit again, its swap-in issued one step ahead so it overlaps that step's compute.
 
 The loop: requests arrive by timestamp and wait in FCFS order; a request is admitted while its
 prompt's memory can be had; each step prefills up to ``prefill_chunk`` prompt tokens (chunked
@@ -22,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from pagekv._alloc import PageAllocator
 from pagekv.errors import OutOfPagesError
 from pagekv.manager import KVCacheManager
 from pagekv.models import MAX_CONTEXT
@@ -29,7 +34,7 @@ from pagekv.trace import prompt_tokens
 
 __all__ = ["CostModel", "SimConfig", "PolicyResult", "simulate", "POLICIES"]
 
-POLICIES = ("contiguous", "paged", "paged+prefix")
+POLICIES = ("contiguous", "paged", "paged+prefix", "paged+swap")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,13 @@ class CostModel:
     overhead_s: float = 0.002
     bandwidth_bytes_s: float = 2.0e12
     flops: float = 4.0e14
+    swap_bandwidth_bytes_s: float = 5.0e10  # device <-> host link (PCIe 5.0 x16), each way
+
+    def swap_seconds(self, nbytes):
+        return nbytes / self.swap_bandwidth_bytes_s
+
+    def recompute_seconds(self, num_tokens, num_params):
+        return num_tokens * 2.0 * num_params / self.flops
 
     def step_seconds(self, *, weight_bytes, kv_bytes, prefill_tokens, num_params):
         if kv_bytes == 0 and prefill_tokens == 0:
@@ -64,6 +76,7 @@ class SimConfig:
     max_seqs: int = 256
     max_new_tokens: int = 2048
     prefill_chunk: int = 8192
+    swap_memory_bytes: int = 64 * 2**30   # the host tier of "paged+swap"
     cost: CostModel = field(default_factory=CostModel)
 
     @property
@@ -95,6 +108,10 @@ class PolicyResult:
     ttft_p99: float = 0.0
     latency_p50: float = 0.0
     latency_p99: float = 0.0
+    swap_outs: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_in_hidden_fraction: float = 0.0   # of swap-in time, overlapped with compute
     timeline: dict = field(default_factory=lambda: {"t": [], "memory": [], "running": []})
 
     def as_dict(self):
@@ -154,8 +171,11 @@ class _ContiguousMemory:
 class _PagedMemory:
     """Pages on demand from the real KVCacheManager."""
 
-    def __init__(self, config, *, prefix):
+    def __init__(self, config, *, prefix, swap=False):
         self.page_size = config.page_size
+        self.bytes_per_page = config.spec.bytes_per_page
+        tier_pages = config.spec.pages_for_budget(config.swap_memory_bytes) if swap else 0
+        self.tier = PageAllocator(tier_pages) if tier_pages else None  # bookkeeping only: no KV data
         self.max_pages = -(-(MAX_CONTEXT + config.max_new_tokens) // config.page_size)
         self.m = KVCacheManager(num_pages=config.num_pages, page_size=config.page_size,
                                 max_seqs=config.max_seqs, max_pages_per_seq=self.max_pages,
@@ -188,6 +208,27 @@ class _PagedMemory:
     def release(self, seq):
         self.m.free(seq)
 
+    def swap_pages(self, seq):
+        """Pages a swap of ``seq`` moves, or None when there is no tier room for them."""
+        pages = len(self.m.page_table(seq))
+        return pages if self.tier is not None and pages <= self.tier.num_free else None
+
+    def swap_out(self, seq):
+        """Detach ``seq`` onto tier pages; returns what swap_in needs."""
+        tier_pages = self.tier.allocate(len(self.m.page_table(seq)))
+        return self.m.detach(seq), tier_pages
+
+    def swap_in(self, seq, swapped):
+        """Attach a swapped sequence again if its pages (and a page of headroom per running
+        sequence) can be had; True when it did."""
+        record, tier_pages = swapped
+        if -(-record.num_tokens // self.page_size) + len(self.m) > self.m.pages_obtainable() \
+                or not self.m.free_rows:
+            return False
+        self.m.attach(seq, record)
+        self.tier.decref(tier_pages)
+        return True
+
     def usage(self):
         """(pages held by sequences, their empty slots), as fractions of the budget."""
         stats = self.m.stats()
@@ -201,7 +242,7 @@ class _PagedMemory:
 
 # ----------------------------------------------------------------------------- the serving loop
 class _Running:
-    __slots__ = ("rid", "seq", "prompt", "to_prefill", "generated", "admitted", "first_token")
+    __slots__ = ("rid", "seq", "prompt", "to_prefill", "generated", "admitted", "first_token", "resuming")
 
     def __init__(self, rid, seq, prompt, cached, generated):
         self.rid, self.seq, self.prompt = rid, seq, prompt
@@ -209,6 +250,7 @@ class _Running:
         self.generated = generated
         self.admitted = 0.0
         self.first_token = None
+        self.resuming = False  # swapped in this step: its KV arrives while the step computes
 
 
 def simulate(requests, config, policy, *, progress=None, step_hook=None):
@@ -227,13 +269,15 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
     if policy not in POLICIES:
         raise ValueError(f"expected a policy in {POLICIES}, got {policy!r}")
     memory = (_ContiguousMemory(config) if policy == "contiguous"
-              else _PagedMemory(config, prefix=policy == "paged+prefix"))
+              else _PagedMemory(config, prefix=policy != "paged", swap=policy == "paged+swap"))
     spec = config.spec
     weight_bytes = config.model.num_params * spec.itemsize
     result = PolicyResult(policy)
     pending = deque(enumerate(requests))        # not yet arrived
     waiting = deque()                           # arrived: (rid, extra generated tokens)
     running: list[_Running] = []
+    swapped: deque = deque()                    # preempted by swap: (entry, swap record), FCFS
+    swap_in_seconds = swap_in_hidden = 0.0
     arrival = {rid: r.arrival for rid, r in enumerate(requests)}
     ttft, latency = [], []
     now, next_seq, generated_total = 0.0, 0, 0
@@ -251,8 +295,17 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
         while pending and pending[0][1].arrival <= now:
             rid, request = pending.popleft()
             waiting.append((rid, 0))
+        # swapped sequences resume first (FCFS); while one waits, nothing new is admitted
+        swap_in_now = 0.0
+        while swapped and len(running) < config.max_seqs and memory.swap_in(swapped[0][0].seq, swapped[0][1]):
+            entry, (record, tier_pages) = swapped.popleft()
+            entry.resuming = True
+            running.append(entry)
+            nbytes = len(tier_pages) * memory.bytes_per_page
+            result.swap_in_bytes += nbytes
+            swap_in_now += config.cost.swap_seconds(nbytes)
         # admission, FCFS
-        while waiting and len(running) < config.max_seqs:
+        while waiting and not swapped and len(running) < config.max_seqs:
             rid, done = waiting[0]
             request = requests[rid]
             if head[:2] != (rid, done):  # the head often waits many steps: build its prompt once
@@ -284,19 +337,37 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
                 budget -= take
                 prefill_tokens += take
         # decode one token for every prefilled sequence; preempt the newest on a page shortage
-        decoding = [e for e in running if not e.to_prefill]
+        decoding = [e for e in running if not e.to_prefill and not e.resuming]
+        swap_out_now = 0.0
         while decoding and not memory.decode([e.seq for e in decoding]):
             victim = running.pop()
-            memory.release(victim.seq)
-            waiting.appendleft((victim.rid, victim.generated))
             result.preemptions += 1
-            decoding = [e for e in running if not e.to_prefill]
+            pages = memory.swap_pages(victim.seq) if policy == "paged+swap" else None
+            nbytes = (pages or 0) * memory.bytes_per_page
+            recompute = config.cost.recompute_seconds(len(victim.prompt) + victim.generated,
+                                                      config.model.num_params)
+            if pages is not None and 2 * config.cost.swap_seconds(nbytes) < recompute:
+                victim.resuming = False
+                swapped.append((victim, memory.swap_out(victim.seq)))
+                result.swap_outs += 1
+                result.swap_out_bytes += nbytes
+                swap_out_now += config.cost.swap_seconds(nbytes)  # before its pages are reused
+            else:
+                memory.release(victim.seq)
+                waiting.appendleft((victim.rid, victim.generated))
+            decoding = [e for e in running if not e.to_prefill and not e.resuming]
         kv_tokens = sum(len(e.prompt) + e.generated for e in decoding)
         dt = config.cost.step_seconds(weight_bytes=weight_bytes if (decoding or prefill_tokens) else 0,
                                       kv_bytes=kv_tokens * spec.bytes_per_token,
                                       prefill_tokens=prefill_tokens, num_params=config.model.num_params)
         if step_hook and decoding:
             step_hook(memory, [e.seq for e in decoding])
+        # a swap-in issued this step overlaps its compute; what does not fit delays the next step
+        swap_in_seconds += swap_in_now
+        swap_in_hidden += min(swap_in_now, dt)
+        dt += swap_out_now + max(0.0, swap_in_now - dt)
+        for entry in running:
+            entry.resuming = False
         now += dt
         still = []
         decoded = set(map(id, decoding))
@@ -332,6 +403,7 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
     result.mean_memory_fraction = memory_sum / steps if steps else 0.0
     result.mean_fragmentation_fraction = frag_sum / steps if steps else 0.0
     result.prefix_hit_rate = memory.hit_rate()
+    result.swap_in_hidden_fraction = swap_in_hidden / swap_in_seconds if swap_in_seconds else 0.0
     result.output_tokens_per_s = generated_total / now if now else 0.0
     if ttft:
         result.ttft_p50, result.ttft_p99 = (float(x) for x in np.percentile(ttft, [50, 99]))
@@ -342,6 +414,7 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
             memory.release(entry.seq)
         memory.m.clear_prefix_cache()
         memory.m.check()
-        if memory.m.allocator.num_free != memory.m.allocator.num_pages:
+        if memory.m.allocator.num_free != memory.m.allocator.num_pages or \
+                (memory.tier is not None and memory.tier.num_free != memory.tier.num_pages):
             raise RuntimeError("pages leaked during the simulation")
     return result

@@ -20,7 +20,7 @@ def test_simulate_end_to_end(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "contiguous" in table and "paged+prefix" in table
     data = json.loads(out_json.read_text())
-    assert [r["policy"] for r in data["results"]] == ["contiguous", "paged", "paged+prefix"]
+    assert [r["policy"] for r in data["results"]] == ["contiguous", "paged", "paged+prefix", "paged+swap"]
     for r in data["results"]:
         assert r["completed"] + r["rejected"] == 25
         assert 0 < r["peak_memory_fraction"] <= 1.0
@@ -30,7 +30,7 @@ def test_simulate_end_to_end(tmp_path, capsys):
 def test_paged_policies_stay_in_budget_and_free_every_page():
     requests = default_trace()[:40]
     config = SimConfig(model=ModelShape("tiny", 4, 2, 64, 1e8), memory_bytes=300 * 2**20)
-    for policy in ("paged", "paged+prefix"):
+    for policy in ("paged", "paged+prefix", "paged+swap"):
         result = simulate(requests, config, policy)  # raises if a page leaked or a check failed
         assert result.peak_memory_fraction <= 1.0
         assert result.completed + result.rejected == 40
@@ -126,3 +126,26 @@ def test_simulate_rejects_an_unknown_policy():
 def test_budget_below_one_page_is_refused(capsys):
     assert main(["simulate", "--memory", "1KiB", "--no-progress"]) == 2
     assert "expected a budget of at least one page" in capsys.readouterr().err
+
+
+def _swap_run(**cost):
+    from pagekv.models import PRESETS
+    from pagekv.trace import synthetic_trace
+
+    requests = synthetic_trace(num_requests=200, rate=10.0, seed=0)
+    config = SimConfig(model=PRESETS["llama-3-8b"], memory_bytes=4 * 2**30, cost=CostModel(**cost))
+    return simulate(requests, config, "paged+swap"), simulate(requests, config, "paged+prefix")
+
+
+def test_swap_preemption_moves_pages_both_ways_and_hides_its_swap_ins():
+    swap, recompute = _swap_run()
+    assert swap.completed + swap.rejected == 200  # and simulate() found no leaked page in either tier
+    assert swap.swap_outs > 0 and swap.swap_outs <= swap.preemptions
+    assert swap.swap_out_bytes == swap.swap_in_bytes  # every swapped sequence came back
+    assert swap.swap_in_hidden_fraction >= 0.8        # the target, issued one step ahead
+    assert recompute.swap_outs == 0 and recompute.swap_out_bytes == 0
+
+
+def test_swap_is_not_chosen_when_recompute_is_cheaper():
+    swap, recompute = _swap_run(swap_bandwidth_bytes_s=1e6)  # a 1 MB/s host link
+    assert swap.swap_outs == 0 and swap.preemptions == recompute.preemptions > 0

@@ -1,0 +1,235 @@
+"""TieredKVCache: swap sequences between the hot KV cache and an :class:`~pagekv.tier.OffloadTier`,
+prefetch them back on a background thread, and spill evicted prefix pages to the tier.
+
+The manager's page tables are only ever changed on the caller's thread, and every change is whole
+before it is visible: ``swap_out`` copies a sequence's pages to the tier and only then detaches it;
+``prefetch`` attaches it to fresh hot pages (all sequences or none) and then starts a background
+copy that writes only into those pages. Until :meth:`TieredKVCache.wait` (or ``is_ready``) says the
+copy is done, the caller must not read or append to that sequence; every other sequence can be
+appended to, freed, swapped, or computed on meanwhile.
+"""
+
+import threading
+
+import numpy as np
+
+from pagekv.cache import KVCache
+from pagekv.errors import OutOfPagesError, UnknownSequenceError
+from pagekv.kernels import cache_ops as _cache_ops
+from pagekv.manager import KVCacheManager
+from pagekv.prefix import chain_keys
+from pagekv.tier import OffloadTier
+
+__all__ = ["TieredKVCache"]
+
+
+class _Prefetch:
+    """One background copy tier -> hot, and the tier pages it frees when it is collected."""
+
+    def __init__(self, src, dst, tier_pages, hot_pages):
+        self.tier_pages = tier_pages
+        self.thread = threading.Thread(target=_cache_ops.copy_across_serial,
+                                       args=(src, dst, tier_pages, hot_pages),
+                                       name="pagekv-prefetch", daemon=True)
+        self.thread.start()
+
+
+class TieredKVCache:
+    """A hot KV cache (manager + KVCache) with a second tier of pages behind it.
+
+    Parameters
+    ----------
+    manager : KVCacheManager
+        Owns the hot pages' tables (``manager.allocator.num_pages == cache.num_pages``).
+    cache : KVCache
+        The hot pages.
+    tier : OffloadTier
+        The slower pages, of the same spec.
+    spill_prefixes : bool
+        Keep prefix pages evicted from the hot prefix cache in the tier; :meth:`add_sequence`
+        brings them back on a later hit. Needs prefix caching on the manager.
+
+    Attributes
+    ----------
+    bytes_swapped_out, bytes_swapped_in, bytes_spilled, bytes_restored : int
+        KV bytes moved each way so far.
+    """
+
+    def __init__(self, manager: KVCacheManager, cache: KVCache, tier: OffloadTier, *,
+                 spill_prefixes=True) -> None:
+        if cache.spec != tier.spec or cache.spec.page_size != manager.page_size:
+            raise ValueError(f"expected one spec for cache, tier and manager pages, got {cache.spec}, "
+                             f"{tier.spec} and page_size {manager.page_size}")
+        if manager.allocator.num_pages != cache.num_pages:
+            raise ValueError(f"expected a manager of {cache.num_pages} pages (the cache's), "
+                             f"got {manager.allocator.num_pages}")
+        if spill_prefixes and manager.prefix is None:
+            raise ValueError("expected a manager with prefix caching for spill_prefixes=True")
+        self.manager, self.cache, self.tier = manager, cache, tier
+        self._hot = _planes(cache.data)
+        self._cold = _planes(tier.data)
+        self._swapped: dict = {}    # seq_id -> (DetachedSequence, tier pages int32)
+        self._inflight: dict = {}   # seq_id -> _Prefetch
+        self.bytes_swapped_out = self.bytes_swapped_in = self.bytes_spilled = self.bytes_restored = 0
+        if spill_prefixes:
+            manager.on_evict = self._spill
+
+    # ------------------------------------------------------------------ swapping
+    def swap_out(self, seq_ids) -> None:
+        """Move each sequence's KV to the tier and free its hot pages (all or none).
+
+        Raises
+        ------
+        UnknownSequenceError
+            An id the manager does not hold (a swapped or unknown one).
+        ValueError
+            A repeated id, or a sequence whose prefetch is still running.
+        OutOfPagesError
+            The tier has too few free pages even after dropping spilled prefixes; nothing changed.
+        """
+        seq_ids = self._distinct(seq_ids)
+        tables = [self.manager.page_table(seq_id) for seq_id in seq_ids]  # raises on unknown ids
+        busy = [s for s in seq_ids if s in self._inflight]
+        if busy:
+            raise ValueError(f"expected sequences at rest, got {busy[0]!r} with a prefetch running: wait() first")
+        hot = np.concatenate(tables) if tables else np.empty(0, np.int32)
+        cold = self._take_tier_pages(len(hot))
+        _cache_ops.copy_across(self._hot, self._cold, hot, cold)
+        start = 0
+        for seq_id, table in zip(seq_ids, tables):
+            self._swapped[seq_id] = (self.manager.detach(seq_id), cold[start:start + len(table)])
+            start += len(table)
+        self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
+
+    def prefetch(self, seq_ids) -> None:
+        """Bring swapped sequences back to fresh hot pages; the copy runs on a background thread.
+
+        The sequences are in the manager again at once (all or none); their KV is there after
+        :meth:`wait` or when :meth:`is_ready` says so.
+
+        Raises
+        ------
+        UnknownSequenceError
+            An id that is not swapped out.
+        OutOfPagesError, ValueError
+            Too few hot pages or free rows for all of them; nothing changed.
+        """
+        seq_ids = self._distinct(seq_ids)
+        for seq_id in seq_ids:
+            if seq_id not in self._swapped:
+                raise UnknownSequenceError(f"expected a swapped-out sequence id, got {seq_id!r}")
+        records = [self._swapped[seq_id][0] for seq_id in seq_ids]
+        needed = sum(-(-r.num_tokens // self.manager.page_size) for r in records)
+        if len(seq_ids) > self.manager.free_rows:
+            raise ValueError(f"expected at most {self.manager.free_rows} sequences (free rows), got {len(seq_ids)}")
+        if needed > self.manager.pages_obtainable():
+            raise OutOfPagesError(needed, self.manager.pages_obtainable())
+        hot = [self.manager.attach(seq_id, record) for seq_id, record in zip(seq_ids, records)]
+        if not seq_ids:
+            return
+        cold = np.concatenate([self._swapped.pop(seq_id)[1] for seq_id in seq_ids])
+        job = _Prefetch(self._cold, self._hot, cold, np.concatenate(hot))
+        for seq_id in seq_ids:
+            self._inflight[seq_id] = job
+        self.bytes_swapped_in += len(cold) * self.cache.spec.bytes_per_page
+
+    def is_ready(self, seq_id) -> bool:
+        """Whether ``seq_id`` is in the hot cache with its KV in place (False while swapped out)."""
+        job = self._inflight.get(seq_id)
+        if job is None:
+            return seq_id in self.manager
+        if job.thread.is_alive():
+            return False
+        self._collect(job)
+        return True
+
+    def wait(self, seq_ids=None) -> None:
+        """Block until the prefetches of ``seq_ids`` (default: all running ones) are done."""
+        wanted = list(self._inflight) if seq_ids is None else list(seq_ids)
+        for job in {id(self._inflight[s]): self._inflight[s] for s in wanted if s in self._inflight}.values():
+            job.thread.join()
+            self._collect(job)
+
+    def free(self, seq_id) -> None:
+        """Free a sequence wherever it is (hot, swapped, or being prefetched: waits for that first)."""
+        if seq_id in self._swapped:
+            _, cold = self._swapped.pop(seq_id)
+            if len(cold):
+                self.tier.allocator.decref(cold)
+            return
+        if seq_id in self._inflight:
+            self.wait([seq_id])
+        self.manager.free(seq_id)
+
+    def is_swapped(self, seq_id) -> bool:
+        return seq_id in self._swapped
+
+    # ------------------------------------------------------------------ prefix spill
+    def add_sequence(self, seq_id, token_ids) -> int:
+        """``manager.add_sequence``, after bringing back from the tier the prefix pages it would hit.
+
+        Returns the prompt's cached tokens, as ``add_sequence`` does.
+        """
+        manager = self.manager
+        if manager.prefix is not None and self.tier.prefixes:
+            keys = chain_keys(np.asarray(token_ids), manager.page_size)
+            hot = manager.prefix.lookup(keys)
+            run = []
+            for key in keys[len(hot):]:
+                if key not in self.tier.prefixes:
+                    break
+                run.append(key)
+            if run and len(run) <= manager.pages_obtainable(keep=hot):
+                cold = np.array([self.tier.take_prefix(key) for key in run], np.int32)  # pinned
+                pages = manager.restore_cached(run, keep=hot)
+                _cache_ops.copy_across(self._cold, self._hot, cold, pages)
+                self.tier.allocator.decref(cold)
+                self.bytes_restored += len(run) * self.cache.spec.bytes_per_page
+        return manager.add_sequence(seq_id, token_ids)
+
+    def _spill(self, keys, pages) -> None:
+        """The manager's eviction hook: copy evicted prefix pages into the tier while they still hold
+        their KV; the oldest spilled pages make room, and what does not fit is dropped."""
+        room = self.tier.allocator.num_free + len(self.tier.prefixes)
+        keys, pages = keys[-room:] if room else [], pages[-room:] if room else pages[:0]
+        if not keys:
+            return
+        shortfall = len(keys) - self.tier.allocator.num_free
+        if shortfall > 0:
+            self.tier.evict_prefixes(shortfall)
+        cold = self.tier.allocator.allocate(len(keys))
+        _cache_ops.copy_across(self._hot, self._cold, pages, cold)
+        for key, page in zip(keys, cold.tolist()):
+            self.tier.keep_prefix(key, page)
+        self.bytes_spilled += len(keys) * self.cache.spec.bytes_per_page
+
+    # ------------------------------------------------------------------ helpers
+    def _take_tier_pages(self, count):
+        """Allocate ``count`` tier pages, dropping spilled prefixes (oldest first) if needed."""
+        if count > self.tier.allocator.num_free + len(self.tier.prefixes):
+            raise OutOfPagesError(count, self.tier.allocator.num_free + len(self.tier.prefixes))
+        shortfall = count - self.tier.allocator.num_free
+        if shortfall > 0:
+            self.tier.evict_prefixes(shortfall)
+        return self.tier.allocator.allocate(count)
+
+    def _collect(self, job):
+        """A finished prefetch: its tier pages go back to the tier, its sequences are at rest."""
+        for seq_id in [s for s, j in self._inflight.items() if j is job]:
+            del self._inflight[seq_id]
+        if len(job.tier_pages):
+            self.tier.allocator.decref(job.tier_pages)
+
+    @staticmethod
+    def _distinct(seq_ids):
+        seq_ids = list(seq_ids)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("expected distinct seq_ids, got a repeated id")
+        return seq_ids
+
+
+def _planes(data):
+    """[num_layers * 2, num_pages, page_elements] view of KV storage (float16 as its uint16 bits)."""
+    layers, kv, pages = data.shape[:3]
+    view = data.view(np.uint16) if data.dtype == np.float16 else data
+    return view.reshape(layers * kv, pages, -1)

@@ -1,0 +1,238 @@
+"""The second tier: swap round trips keep every byte, failures change nothing, a background prefetch
+racing with other work corrupts nothing, spilled prefixes come back, tier files survive a restart
+and damaged ones are refused."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pagekv import KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError
+from pagekv.swap import TieredKVCache
+from pagekv.tier import OffloadTier, TierFileError
+
+SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
+
+
+def tiered(*, hot_pages=32, tier_pages=32, dtype="float32", path=None, max_seqs=16, spill=True):
+    spec = KVCacheSpec(dtype=dtype, **SPEC)
+    manager = KVCacheManager(num_pages=hot_pages, page_size=spec.page_size, max_seqs=max_seqs,
+                             max_pages_per_seq=hot_pages)
+    cache = KVCache(spec, hot_pages)
+    tier = OffloadTier(spec, tier_pages, path=path)
+    return TieredKVCache(manager, cache, tier, spill_prefixes=spill)
+
+
+def fill(t, seq_id, rng):
+    """Random bytes in every page of ``seq_id`` (all layers, K and V); returns its KV [L, 2, n, ...]."""
+    table = t.manager.page_table(seq_id)
+    data = t.cache.data
+    raw = rng.integers(0, 2**16, size=data[:, :, table].shape).astype(data.dtype.newbyteorder("="))
+    if data.dtype == np.float32:
+        raw = rng.standard_normal(data[:, :, table].shape).astype(np.float32)
+    data[:, :, table] = raw
+    return kv_of(t, seq_id)
+
+
+def kv_of(t, seq_id):
+    return t.cache.data[:, :, t.manager.page_table(seq_id)].copy()
+
+
+def snapshot(t):
+    """Everything a failed call must leave as it was."""
+    m = t.manager
+    return (m.stats(), {s: m.page_table(s).tolist() for s in m.seq_ids()}, m.allocator.free_pages().tolist(),
+            t.tier.allocator.free_pages().tolist(), dict(t.tier.prefixes), dict(t._swapped))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("file_backed", [False, True])
+def test_swap_round_trip_keeps_every_byte_through_forks_and_prefix_hits(tmp_path, dtype, file_backed):
+    rng = np.random.default_rng(0)
+    t = tiered(dtype=dtype, path=tmp_path / "tier.bin" if file_backed else None)
+    m = t.manager
+    m.add_sequence("a", list(range(13)))                  # 4 pages, the last partial
+    m.add_sequence("b", list(range(8)) + [99, 98])       # shares a's first 2 pages (prefix hit)
+    m.fork("a", "c")                                      # shares every page of a
+    expected = {s: fill(t, s, rng) for s in ("a",)}
+    expected["b"] = kv_of(t, "b")
+    expected["c"] = kv_of(t, "c")
+    t.swap_out(["a", "b"])
+    assert t.is_swapped("a") and "a" not in m and not t.is_ready("a")
+    m.check()
+    t.cache.data[...] = 0 if dtype == "bfloat16" else np.nan   # the hot pages are gone for good
+    m.add_sequence("d", list(range(500, 520)))           # someone else takes hot pages meanwhile
+    t.prefetch(["b", "a"])
+    t.wait()
+    assert t.is_ready("a") and t.is_ready("b")
+    for seq_id in ("a", "b"):
+        np.testing.assert_array_equal(kv_of(t, seq_id), expected[seq_id])
+        assert m.seq_len(seq_id) == expected[seq_id].shape[2] * 4 - (3 if seq_id == "a" else 2)
+    assert t.tier.allocator.num_free == t.tier.num_pages  # the tier gave every page back
+    assert t.bytes_swapped_out == t.bytes_swapped_in > 0
+    m.append_tokens(["a"], [13])  # a continues where it stopped
+    m.check()
+
+
+def test_swap_failures_change_nothing():
+    t = tiered(hot_pages=12, tier_pages=3)
+    m = t.manager
+    m.add_sequence("a", list(range(9)))   # 3 pages
+    m.add_sequence("b", list(range(50, 57)))  # 2 pages
+    before = snapshot(t)
+    with pytest.raises(OutOfPagesError):
+        t.swap_out(["b", "a"])           # 5 pages, the tier has 3
+    with pytest.raises(UnknownSequenceError):
+        t.swap_out(["a", "nope"])
+    with pytest.raises(ValueError, match="repeated"):
+        t.swap_out(["a", "a"])
+    assert snapshot(t) == before
+    t.swap_out(["a"])
+    m.add_sequence("big", list(range(100, 136)))  # 9 pages: 1 hot page left, 'a' needs 3
+    before = snapshot(t)
+    with pytest.raises(OutOfPagesError):
+        t.prefetch(["a"])
+    with pytest.raises(UnknownSequenceError):
+        t.prefetch(["b"])                 # hot, not swapped
+    assert snapshot(t) == before
+    t.free("a")                           # a swapped sequence frees its tier pages
+    assert t.tier.allocator.num_free == 3 and not t.is_swapped("a")
+
+
+def test_prefetch_racing_with_appends_frees_and_swaps_corrupts_nothing():
+    rng = np.random.default_rng(1)
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16, dtype="float32")
+    manager = KVCacheManager(num_pages=1200, page_size=16, max_seqs=64, max_pages_per_seq=1024)
+    t = TieredKVCache(manager, KVCache(spec, 1200), OffloadTier(spec, 1200))
+    manager.add_sequence("long", rng.integers(0, 1000, 16 * 1000).tolist())  # 1000 pages: a long copy
+    expected = fill(t, "long", rng)
+    t.swap_out(["long"])
+    for s in range(20):
+        manager.add_sequence(s, rng.integers(0, 1000, 30).tolist())
+    others = {s: fill(t, s, rng) for s in range(20)}
+    t.prefetch(["long"])
+    raced = 0
+    for step in range(40):  # work on other sequences while the copy runs
+        if not t.is_ready("long"):
+            raced += 1
+        live = [s for s in range(20) if s in manager]
+        slots = manager.append_tokens(live, [step] * len(live))
+        t.cache.data[:, :, slots // 16, :, slots % 16] = step  # write their new tokens' KV
+        if step % 10 == 9:
+            t.free(live[0])
+            del others[live[0]]
+        if step == 20:
+            t.swap_out([live[-1]])
+            t.prefetch([live[-1]])
+    t.wait()
+    np.testing.assert_array_equal(kv_of(t, "long"), expected)
+    for s, kv in others.items():  # their first 30 tokens (2 pages) are untouched by the race
+        got = kv_of(t, s)
+        np.testing.assert_array_equal(got[:, :, :1], kv[:, :, :1])
+    manager.check()
+    assert raced > 0, "the prefetch finished before any racing work: the test proved nothing"
+
+
+def test_evicted_prefix_pages_spill_to_the_tier_and_come_back():
+    rng = np.random.default_rng(2)
+    t = tiered(hot_pages=8, tier_pages=8)
+    m = t.manager
+    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
+    m.add_sequence("p", prompt)
+    kv = fill(t, "p", rng)
+    m.free("p")                                         # 3 full pages stay cached (evictable)
+    m.add_sequence("filler", list(range(300, 332)))     # 8 pages: evicts all three
+    assert len(t.tier.prefixes) == 3 and t.bytes_spilled == 3 * t.cache.spec.bytes_per_page
+    m.free("filler")
+    m.clear_prefix_cache()
+    hit = t.add_sequence("again", prompt)
+    assert hit == 12
+    np.testing.assert_array_equal(kv_of(t, "again")[:, :, :3], kv[:, :, :3])
+    assert not t.tier.prefixes and t.tier.allocator.num_free == 8  # moved back, tier pages freed
+    m.check()
+
+
+def test_tier_file_survives_a_restart(tmp_path):
+    path = tmp_path / "tier.bin"
+    rng = np.random.default_rng(3)
+    t = tiered(hot_pages=8, tier_pages=8, path=path)
+    prompt = list(range(12)) + [7]
+    t.manager.add_sequence("p", prompt)
+    kv = fill(t, "p", rng)
+    t.manager.free("p")
+    t.manager.add_sequence("filler", list(range(300, 332)))  # spills p's 3 pages to the file
+    t.tier.close()
+    np.save(tmp_path / "kv.npy", kv[:, :, :3])
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from pagekv import KVCache, KVCacheManager, KVCacheSpec
+        from pagekv.swap import TieredKVCache
+        from pagekv.tier import OffloadTier
+        spec = KVCacheSpec(dtype="float32", **{SPEC!r})
+        tier = OffloadTier.open({str(path)!r}, spec=spec)
+        assert len(tier.prefixes) == 3 and tier.dropped_on_open == 0, tier.prefixes
+        manager = KVCacheManager(num_pages=8, page_size=4, max_seqs=4, max_pages_per_seq=8)
+        t = TieredKVCache(manager, KVCache(spec, 8), tier)
+        assert t.add_sequence("again", {prompt!r}) == 12
+        kv = t.cache.data[:, :, manager.page_table("again")[:3]]
+        np.testing.assert_array_equal(kv, np.load({str(tmp_path / "kv.npy")!r}))
+        print("restored")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "restored" in result.stdout, result.stderr
+
+
+def _spilled_file(tmp_path):
+    path = tmp_path / "tier.bin"
+    t = tiered(hot_pages=8, tier_pages=8, path=path)
+    t.manager.add_sequence("p", list(range(12)) + [7])
+    fill(t, "p", np.random.default_rng(4))
+    t.manager.free("p")
+    t.manager.add_sequence("filler", list(range(300, 332)))
+    t.tier.close()
+    return path, t.tier.spec
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_tier_files_are_refused(tmp_path):
+    path, spec = _spilled_file(tmp_path)
+    good = path.read_bytes()
+    path.write_bytes(good[:-100])
+    with pytest.raises(TierFileError, match="truncated"):
+        OffloadTier.open(path)
+    path.write_bytes(b"NOTATIER" + good[8:])
+    with pytest.raises(TierFileError, match="expected a pagekv tier file"):
+        OffloadTier.open(path)
+    path.write_bytes(good)
+    _flip(path, 20)
+    with pytest.raises(TierFileError, match="corrupted header"):
+        OffloadTier.open(path)
+    path.write_bytes(good)
+    _flip(path, len(good) - 8)                     # inside the page map
+    with pytest.raises(TierFileError, match="corrupted page map"):
+        OffloadTier.open(path)
+    path.write_bytes(good)
+    with pytest.raises(TierFileError, match="expected a tier file of"):
+        OffloadTier.open(path, spec=KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4,
+                                                dtype="float32"))
+    with pytest.raises(FileExistsError):
+        OffloadTier(spec, 8, path=path)            # never overwrites an existing file
+
+
+def test_a_page_that_changed_after_the_last_flush_is_dropped_not_trusted(tmp_path):
+    path, _ = _spilled_file(tmp_path)
+    tier = OffloadTier.open(path)
+    page = next(iter(tier.prefixes.values()))
+    tier.data[0, 0, page] += 1  # as if reused after the flush, and the process then stopped
+    tier._mmap.flush()
+    del tier
+    reopened = OffloadTier.open(path)
+    assert reopened.dropped_on_open == 1 and len(reopened.prefixes) == 2
+    assert reopened.allocator.num_free == reopened.num_pages - 2
