@@ -48,13 +48,13 @@ class DecodeProblem:
 
 
 @functools.lru_cache(maxsize=2)
-def problem(shape, kind):
+def problem(shape, kind, page_size=PAGE_SIZE):
     cfg = SHAPES[shape]
     rng = np.random.default_rng(0)
-    pages_per_seq = -(-cfg["seq_len"] // PAGE_SIZE)
+    pages_per_seq = -(-cfg["seq_len"] // page_size)
     num_pages = cfg["num_seqs"] * pages_per_seq
     order = rng.permutation(num_pages).astype(np.int32)
-    cache_shape = (num_pages, cfg["num_kv_heads"], PAGE_SIZE, cfg["head_dim"])
+    cache_shape = (num_pages, cfg["num_kv_heads"], page_size, cfg["head_dim"])
     k = rng.standard_normal(cache_shape, dtype=np.float32)
     v = rng.standard_normal(cache_shape, dtype=np.float32)
     if kind == "bfloat16":
@@ -76,7 +76,7 @@ def as_float32(storage, kind):
 # ----------------------------------------------------------------------------------- implementations
 def pagekv_decode(p, *, contiguous=False, prefetch=False):
     """pagekv's decode kernel, plan made once (as a step does for all its layers)."""
-    plan = attention.plan_decode(p.seq_lens, page_size=PAGE_SIZE)
+    plan = attention.plan_decode(p.seq_lens, page_size=p.k_cache.shape[2])
     out = np.empty_like(p.q)
     k, v = (p.k_contiguous, p.v_contiguous) if contiguous else (p.k_cache, p.v_cache)
     table = p.contiguous_table if contiguous else p.block_table
