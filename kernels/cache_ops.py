@@ -72,6 +72,14 @@ def merge_states(o_a, lse_a, o_b, lse_b, o_out, lse_out):
             lse_out[i, h] = top + np.log(total)
 
 
+@njit(**_JIT)
+def _copy_row(src, dst):
+    """dst[:] = src[:] for 1-D contiguous rows. An explicit loop: LLVM makes it a vectorised copy,
+    where Numba's slice assignment of 16-bit elements ran at a third of the speed."""
+    for i in range(src.shape[0]):
+        dst[i] = src[i]
+
+
 @njit(parallel=True, **_JIT)
 def copy_across(src, dst, src_pages, dst_pages):
     """Copy pages between two pools: ``dst[:, dst_pages[i]] = src[:, src_pages[i]]`` (swapping).
@@ -82,11 +90,12 @@ def copy_across(src, dst, src_pages, dst_pages):
     planes = src.shape[0]
     for w in prange(src_pages.shape[0] * planes):
         page, plane = w // planes, w % planes
-        dst[plane, dst_pages[page], :] = src[plane, src_pages[page], :]
+        _copy_row(src[plane, src_pages[page]], dst[plane, dst_pages[page]])
 
 
 @njit(**_JIT)
 def copy_across_serial(src, dst, src_pages, dst_pages):
     """:func:`copy_across` on one core, for a background thread (the GIL is released meanwhile)."""
     for page in range(src_pages.shape[0]):
-        dst[:, dst_pages[page], :] = src[:, src_pages[page], :]
+        for plane in range(src.shape[0]):
+            _copy_row(src[plane, src_pages[page]], dst[plane, dst_pages[page]])
