@@ -236,3 +236,44 @@ def test_a_page_that_changed_after_the_last_flush_is_dropped_not_trusted(tmp_pat
     reopened = OffloadTier.open(path)
     assert reopened.dropped_on_open == 1 and len(reopened.prefixes) == 2
     assert reopened.allocator.num_free == reopened.num_pages - 2
+
+
+def test_bad_arguments_are_refused_with_what_was_expected(tmp_path):
+    spec = KVCacheSpec(dtype="float32", **SPEC)
+    with pytest.raises(TypeError, match="expected a KVCacheSpec"):
+        OffloadTier("spec", 4)
+    with pytest.raises(ValueError, match="expected num_pages a positive integer"):
+        OffloadTier(spec, 0)
+    other = KVCacheSpec(dtype="bfloat16", **SPEC)
+    manager = KVCacheManager(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=8)
+    with pytest.raises(ValueError, match="expected one spec"):
+        TieredKVCache(manager, KVCache(spec, 8), OffloadTier(other, 4))
+    with pytest.raises(ValueError, match="expected a manager of 16 pages"):
+        TieredKVCache(manager, KVCache(spec, 16), OffloadTier(spec, 4))
+    plain = KVCacheManager(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=8,
+                           enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="prefix caching"):
+        TieredKVCache(plain, KVCache(spec, 8), OffloadTier(spec, 4))
+    with pytest.raises(TierFileError, match="expected a pagekv tier file"):
+        (tmp_path / "empty").write_bytes(b"")
+        OffloadTier.open(tmp_path / "empty")
+
+
+def test_manager_attach_and_restore_cached_refuse_bad_input_and_change_nothing():
+    m = KVCacheManager(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(9)))
+    record = m.detach("a")
+    m.add_sequence("b", list(range(100, 104)))
+    before = (m.stats(), m.allocator.free_pages().tolist(), dict(m.prefix.page_of))
+    with pytest.raises(TypeError, match="expected a DetachedSequence"):
+        m.attach("a", (9, b"", []))
+    with pytest.raises(ValueError, match="already held"):
+        m.attach("b", record)
+    keys = list(m.prefix.page_of)
+    with pytest.raises(ValueError, match="not cached yet"):
+        m.restore_cached(keys[:1])
+    with pytest.raises(OutOfPagesError):
+        m.restore_cached([bytes([i]) * 16 for i in range(8)])
+    assert (m.stats(), m.allocator.free_pages().tolist(), dict(m.prefix.page_of)) == before
+    assert m.attach("a", record).shape == (3,) and m.seq_len("a") == 9
+    m.check()
