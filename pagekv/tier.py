@@ -78,7 +78,7 @@ class OffloadTier:
         self.prefixes: OrderedDict[bytes, int] = OrderedDict()
         self.path = None if path is None else os.fspath(path)
         self.dropped_on_open = 0
-        self._mmap = None
+        self._mmap: mmap.mmap | None = None
         shape = self._shape()
         if self.path is None:
             self.data = np.zeros(shape, _STORAGE[spec.dtype])
@@ -88,7 +88,7 @@ class OffloadTier:
             f.write(self._header(zlib.crc32(self._map_bytes(np.zeros(self.num_pages, _MAP_ENTRY)))))
             f.seek(self._map_offset())
             f.write(self._map_bytes(np.zeros(self.num_pages, _MAP_ENTRY)))
-        self._map_file()
+        self._map_file(self.path)
 
     # ------------------------------------------------------------------ the file
     @classmethod
@@ -134,8 +134,8 @@ class OffloadTier:
         if (data_offset, map_offset) != (HEADER_BYTES, tier._map_offset()) or size != tier._file_bytes():
             raise TierFileError(f"expected {tier._file_bytes()} bytes for {num_pages} pages of {file_spec}, "
                                 f"got {size}: the file is truncated or damaged")
-        tier._map_file()
-        entries = np.frombuffer(tier._mmap, _MAP_ENTRY, tier.num_pages, tier._map_offset()).copy()
+        mapping = tier._map_file(path)
+        entries = np.frombuffer(mapping, _MAP_ENTRY, tier.num_pages, tier._map_offset()).copy()
         if zlib.crc32(tier._map_bytes(entries)) != map_crc:
             raise TierFileError(f"expected a page map matching its CRC32, got a corrupted page map in {path}")
         tier.allocator = PageAllocator(tier.num_pages)
@@ -159,7 +159,7 @@ class OffloadTier:
         """:meth:`flush`, then unmap the file. The tier is unusable afterwards."""
         self.flush()
         if self._mmap is not None:
-            self.data = None
+            del self.data  # this tier's own view of the mapping
             try:
                 self._mmap.close()
             except BufferError:  # views of the pages are still alive: the mapping goes with them
@@ -209,11 +209,13 @@ class OffloadTier:
     def _map_bytes(entries) -> bytes:
         return np.ascontiguousarray(entries).tobytes()
 
-    def _map_file(self):
-        with open(self.path, "r+b") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0)
-        self.data = np.frombuffer(self._mmap, _STORAGE[self.spec.dtype], int(np.prod(self._shape())),
+    def _map_file(self, path: str) -> mmap.mmap:
+        with open(path, "r+b") as f:
+            mapping = mmap.mmap(f.fileno(), 0)
+        self._mmap = mapping
+        self.data = np.frombuffer(mapping, _STORAGE[self.spec.dtype], int(np.prod(self._shape())),
                                   HEADER_BYTES).reshape(self._shape())
+        return mapping
 
     def _page_crc(self, page: int) -> int:
         crc = 0

@@ -180,7 +180,9 @@ def test_tier_file_survives_a_restart(tmp_path):
         np.testing.assert_array_equal(kv, np.load({str(tmp_path / "kv.npy")!r}))
         print("restored")
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # -I and another working directory: the new process imports the installed pagekv, never a source tree
+    result = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
     assert result.returncode == 0 and "restored" in result.stdout, result.stderr
 
 
