@@ -227,9 +227,28 @@ def test_running_out_of_pages_adds_no_sequence_and_loses_no_page(llama):
     pool.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
 
 
+def test_beam_search_forks_rows_and_matches_sdpa(llama):
+    ids, mask = left_padded([11, 30], seed=14)
+    kwargs = dict(max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False,
+                  pad_token_id=0)
+    ref = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    pool = PagedKVPool(llama, num_pages=128, page_size=4)
+    ours = pool.generate(ids, attention_mask=mask, **kwargs)
+    np.testing.assert_array_equal(ours.numpy(), ref.numpy())
+    assert pool.stats().num_seqs == 0
+    pool.manager.check()
+    cache = pool.new_cache()
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+    rows, before = list(cache._seq_ids), pool.stats()
+    with pytest.raises(ValueError, match=r"expected 2 row indices in \[0, 2\)"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+    assert cache._seq_ids == rows and pool.stats() == before
+
+
 def test_unsupported_cache_operations_raise(llama):
     cache = PagedKVPool(llama, num_pages=4).new_cache()
-    for call in (lambda: cache.reorder_cache(torch.tensor([0])), lambda: cache.crop(1),
+    for call in (lambda: cache.crop(1),
                  lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices([0])):
         with pytest.raises(NotImplementedError, match="PagedCache does not support"):
             call()

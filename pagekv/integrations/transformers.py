@@ -282,8 +282,9 @@ class PagedCache(Cache):
     written), later forwards append to them. :meth:`release` (or leaving a ``with`` block, or
     garbage collection) frees the sequences; their full pages stay in the prefix cache.
 
-    ``get_seq_length`` counts columns (padding included), as transformers expects. Beam search,
-    cropping and reordering are not supported (they raise).
+    ``get_seq_length`` counts columns (padding included), as transformers expects. Beam search
+    reorders rows by forking them (shared pages, copy-on-write); cropping (assisted decoding) and
+    selecting or expanding a filled cache are not supported (they raise).
     """
 
     def __init__(self, pool: PagedKVPool):
@@ -341,7 +342,34 @@ class PagedCache(Cache):
         self.release()
 
     def reorder_cache(self, beam_idx):
-        raise NotImplementedError("PagedCache does not support beam search (reorder_cache)")
+        """Beam search: row ``i`` continues from row ``beam_idx[i]``. Each new row is a fork of its
+        source (pages shared, copy-on-write when a shared partial page is appended to); the old
+        rows are freed. No KV is copied here.
+
+        Parameters
+        ----------
+        beam_idx : int [batch]
+        """
+        sources = [int(i) for i in beam_idx]
+        if len(sources) != len(self._seq_ids) or any(not 0 <= i < len(sources) for i in sources):
+            raise ValueError(f"expected {len(self._seq_ids)} row indices in [0, {len(self._seq_ids)}), "
+                             f"got {sources}")
+        if sources == list(range(len(sources))):
+            return
+        manager = self.pool.manager
+        if manager.free_rows < len(sources):
+            raise ValueError(f"expected {len(sources)} free rows for the reordered beams (max_seqs), "
+                             f"got {manager.free_rows}")
+        forks = []
+        for source in sources:
+            seq_id = self._seq_ids[source]
+            if seq_id is not None:
+                forks.append(next(self.pool._ids))
+                manager.fork(seq_id, forks[-1])
+            else:
+                forks.append(None)
+        _free_sequences(manager, self._seq_ids)
+        self._seq_ids.extend(forks)
 
     def crop(self, tokens_to_remove):
         raise NotImplementedError("PagedCache does not support cropping (assisted decoding)")
