@@ -1,15 +1,19 @@
-"""Next-page software prefetch in the decode kernel, at page sizes 16, 32 and 128, both dtypes.
+"""Next-page software prefetch in the decode kernel, at page sizes 16, 32 and 128, both dtypes;
+and what jumping between pages costs the memory system by itself.
 
     python benchmarks/prefetch_study.py [--rounds 30]
 
 For each page size and KV dtype (shapes S1 and S3 of attention_cases.py) three variants run in
 interleaved rounds — contiguous pages, random page order, random order with ``prefetch=True`` — so
 the machine's drift hits all three alike; the table gives median times as ratios to contiguous.
+The second table reads 512 MiB in chunks of 8 KiB to 512 KiB, in order and in random order, with a
+plain streaming sum (no attention): the floor of what random page order costs at each page size.
 """
 
 import argparse
 import time
 
+import numba
 import numpy as np
 
 from attention_cases import pagekv_decode, problem
@@ -33,6 +37,44 @@ def study(shape, kind, page_size, rounds):
     return median, p.kv_bytes
 
 
+@numba.njit(parallel=True)
+def chunk_sum(data, order, lanes):
+    """Sum ``data[order[i]]`` for every i, ``lanes`` workers each taking a run of ``order``.
+
+    data : float32 [num_chunks, chunk_elems]; order : int64 [num_chunks].
+    """
+    per = order.shape[0] // lanes
+    out = np.zeros(lanes)
+    for w in numba.prange(lanes):
+        acc = np.zeros(16, np.float32)
+        for i in range(w * per, (w + 1) * per):
+            row = data[order[i]]
+            for j in range(0, row.shape[0], 16):
+                for lane in range(16):
+                    acc[lane] += row[j + lane]
+        out[w] = acc.sum()
+    return out
+
+
+def memory_floor(rounds):
+    rng = np.random.default_rng(0)
+    print("\n| chunk | in order GB/s | random order GB/s | random ÷ in order time |")
+    print("|---|---|---|---|")
+    for kib in (8, 16, 32, 64, 128, 512):
+        data = rng.standard_normal((512 * 1024 // kib, kib * 256), dtype=np.float32)
+        in_order = np.arange(len(data), dtype=np.int64)
+        shuffled = rng.permutation(len(data)).astype(np.int64)
+        chunk_sum(data, in_order, 64)
+        times = {"in order": [], "random": []}
+        for _ in range(max(3, rounds // 4)):
+            for name, order in (("in order", in_order), ("random", shuffled)):
+                start = time.perf_counter()
+                chunk_sum(data, order, 64)
+                times[name].append(time.perf_counter() - start)
+        a, b = np.median(times["in order"]), np.median(times["random"])
+        print(f"| {kib} KiB | {data.nbytes / a / 1e9:.1f} | {data.nbytes / b / 1e9:.1f} | {b / a:.2f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -47,6 +89,7 @@ def main():
                 print(f"| {shape} | {kind} | {page_size} | {nbytes / base / 1e9:.1f} | "
                       f"{median['paged'] / base:.2f} | {median['paged + prefetch'] / base:.2f} |",
                       flush=True)
+    memory_floor(args.rounds)
 
 
 if __name__ == "__main__":
