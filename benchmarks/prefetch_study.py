@@ -1,10 +1,10 @@
-"""Next-page software prefetch in the decode kernel, at page sizes 16, 32 and 128, both dtypes;
-and what jumping between pages costs the memory system by itself.
+"""Next-page software prefetch in the decode and prefill kernels, at page sizes 16, 32 and 128,
+both dtypes; and what jumping between pages costs the memory system by itself.
 
     python benchmarks/prefetch_study.py [--rounds 30]
 
-For each page size and KV dtype (shapes S1 and S3 of attention_cases.py) three variants run in
-interleaved rounds — contiguous pages, random page order, random order with ``prefetch=True`` — so
+For each page size and KV dtype (decode: shapes S1 and S3 of attention_cases.py; prefill: S1's
+caches with each sequence's last 128 tokens as queries) three variants run in interleaved rounds — contiguous pages, random page order, random order with ``prefetch=True`` — so
 the machine's drift hits all three alike; the table gives median times as ratios to contiguous.
 The second table reads 512 MiB in chunks of 8 KiB to 512 KiB, in order and in random order, with a
 plain streaming sum (no attention): the floor of what random page order costs at each page size.
@@ -17,14 +17,30 @@ import numba
 import numpy as np
 
 from attention_cases import pagekv_decode, problem
+from pagekv.attention import paged_prefill_attention
 
 PAGE_SIZES = (16, 32, 128)
 
 
-def study(shape, kind, page_size, rounds):
+def prefill_variants(p, q_len=128):
+    """Chunked prefill: each sequence's last ``q_len`` tokens attend to its whole paged context."""
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((len(p.seq_lens) * q_len,) + p.q.shape[1:], dtype=np.float32)
+    qo_indptr = np.arange(0, len(rows) + 1, q_len, dtype=np.int32)
+
+    def variant(k, v, table, prefetch=False):
+        return lambda: paged_prefill_attention(rows, k, v, table, p.seq_lens, qo_indptr, prefetch=prefetch)
+
+    return {"contiguous": variant(p.k_contiguous, p.v_contiguous, p.contiguous_table),
+            "paged": variant(p.k_cache, p.v_cache, p.block_table),
+            "paged + prefetch": variant(p.k_cache, p.v_cache, p.block_table, prefetch=True)}
+
+
+def study(shape, kind, page_size, rounds, *, op="decode"):
     p = problem(shape, kind, page_size)
-    variants = {"contiguous": pagekv_decode(p, contiguous=True), "paged": pagekv_decode(p),
-                "paged + prefetch": pagekv_decode(p, prefetch=True)}
+    variants = ({"contiguous": pagekv_decode(p, contiguous=True), "paged": pagekv_decode(p),
+                 "paged + prefetch": pagekv_decode(p, prefetch=True)} if op == "decode"
+                else prefill_variants(p))
     times = {name: [] for name in variants}
     for run in variants.values():
         run()
@@ -79,16 +95,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
-    print("| shape | KV | page | contiguous GB/s | paged ÷ contiguous | paged+prefetch ÷ contiguous |")
-    print("|---|---|---|---|---|---|")
-    for shape in ("S1", "S3"):
-        for kind in ("float32", "bfloat16"):
-            for page_size in PAGE_SIZES:
-                median, nbytes = study(shape, kind, page_size, args.rounds)
-                base = median["contiguous"]
-                print(f"| {shape} | {kind} | {page_size} | {nbytes / base / 1e9:.1f} | "
-                      f"{median['paged'] / base:.2f} | {median['paged + prefetch'] / base:.2f} |",
-                      flush=True)
+    print("| op | shape | KV | page | contiguous GB/s | paged ÷ contiguous | paged+prefetch ÷ contiguous |")
+    print("|---|---|---|---|---|---|---|")
+    for op, shapes in (("decode", ("S1", "S3")), ("prefill", ("S1",))):
+        for shape in shapes:
+            for kind in ("float32", "bfloat16"):
+                for page_size in PAGE_SIZES:
+                    # prefill is compute-bound and ~50x slower per call: fewer rounds
+                    rounds = args.rounds if op == "decode" else max(3, args.rounds // 5)
+                    median, nbytes = study(shape, kind, page_size, rounds, op=op)
+                    base = median["contiguous"]
+                    print(f"| {op} | {shape} | {kind} | {page_size} | {nbytes / base / 1e9:.1f} | "
+                          f"{median['paged'] / base:.2f} | {median['paged + prefetch'] / base:.2f} |",
+                          flush=True)
     memory_floor(args.rounds)
 
 

@@ -271,12 +271,14 @@ def merge_parts(part_out, part_lse, split_seqs, out, lse):
 
 @njit(parallel=True, **_JIT)
 def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
-            scale, window, soft_cap, alibi_slopes, out, lse):
+            scale, window, soft_cap, alibi_slopes, out, lse, prefetch_lines):
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     q, out : float32 [num_tokens, num_q_heads, head_dim]; lse : float32 [num_tokens, num_q_heads].
     Sequence s owns q rows qo_indptr[s]:qo_indptr[s+1], the last of its seq_lens[s] positions.
     items : int32 [num_items, 4] = (seq, kv_head, row_begin, row_end), at most QUERY_BLOCK rows.
+    prefetch_lines : int, cache lines of the item's head block of the next page to prefetch while
+    computing the current page (0: none).
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -310,12 +312,16 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                 key0 = first * page_size
                 num_cols = min((last - first) * page_size, seq_len - key0)
                 for p in range(first, last):
+                    if prefetch_lines and p + 1 < page_end:
+                        _prefetch_lines(k_cache, block_table[seq, p + 1], head, prefetch_lines)
                     _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
                                  min(page_size, seq_len - p * page_size), scores, (p - first) * page_size)
                 masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
                 _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
                                 slopes, m, l, acc)
                 for p in range(first, last):
+                    if prefetch_lines and p + 1 < page_end:
+                        _prefetch_lines(v_cache, block_table[seq, p + 1], head, prefetch_lines)
                     _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
                                      block_table[seq, p], head, kv_format,
                                      min(page_size, seq_len - p * page_size), acc)

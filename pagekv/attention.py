@@ -117,6 +117,15 @@ def _inputs(q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_s
     return k, v, kind, q32, q_kind, options
 
 
+def _prefetch_lines(prefetch) -> int:
+    """Cache lines per head block that ``prefetch`` asks for: True -> PREFETCH_LINES, an int -> it."""
+    if isinstance(prefetch, bool):
+        return PREFETCH_LINES * prefetch
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"expected prefetch a bool or an integer >= 0, got {prefetch!r}")
+    return prefetch
+
+
 def _output(q, kind, shape, out):
     """The caller's out (checked), or a new array like q; plus a float32 buffer the kernel writes."""
     if out is None:
@@ -256,9 +265,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     part_out = np.empty((plan.num_parts, num_q_heads, head_dim), np.float32)
     part_lse = np.empty((plan.num_parts, num_q_heads), np.float32)
     _attention.decode(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, plan.items, plan.slot_indptr,
-                      scale, window, cap, slopes, buffer, lse, part_out, part_lse,
-                      int(prefetch) if isinstance(prefetch, int) and not isinstance(prefetch, bool)
-                      else PREFETCH_LINES * bool(prefetch))
+                      scale, window, cap, slopes, buffer, lse, part_out, part_lse, _prefetch_lines(prefetch))
     if len(plan.split_seqs):
         _attention.merge_parts(part_out, part_lse, plan.split_seqs, buffer, lse)
     if buffer is not storage:
@@ -268,7 +275,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
 
 def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, *, scale=None,
                             out=None, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-                            return_lse=False):
+                            return_lse=False, prefetch=False):
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Sequence ``s`` brings query rows ``q[qo_indptr[s]:qo_indptr[s+1]]``: its last ``q_len`` tokens,
@@ -285,8 +292,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
         Each ``>= qo_indptr[s+1] - qo_indptr[s]``.
     qo_indptr : int32 [num_seqs + 1]
         Nondecreasing, from 0 to ``num_tokens``.
-    scale, out, sliding_window, logits_soft_cap, alibi_slopes, return_lse
-        As in :func:`paged_decode_attention`.
+    scale, out, sliding_window, logits_soft_cap, alibi_slopes, return_lse, prefetch
+        As in :func:`paged_decode_attention` (prefetch: off by default, it did not help — README).
 
     Returns
     -------
@@ -312,7 +319,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_tokens, num_q_heads), np.float32)
     _attention.prefill(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, indptr, items, slot_indptr,
-                       scale, window, cap, slopes, buffer, lse)
+                       scale, window, cap, slopes, buffer, lse, _prefetch_lines(prefetch))
     if buffer is not storage:
         _arrays.from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result

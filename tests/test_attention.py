@@ -86,6 +86,24 @@ def test_prefill_matches_reference(problem, data):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+def test_next_page_prefetch_changes_no_result(kind):
+    """Prefetch only moves data closer: decode and prefill give bit-identical outputs with it."""
+    rng = np.random.default_rng(11)
+    kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=2, head_dim=64, page_size=16, kind=kind)
+    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    for prefetch in (True, 1, 64):
+        np.testing.assert_array_equal(
+            attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens, prefetch=prefetch),
+            attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens))
+    qo_indptr = np.array([0, 1, 10, 50, 150], np.int32)
+    rows = rng.standard_normal((150, 8, 64)).astype(np.float32)
+    np.testing.assert_array_equal(
+        attention.paged_prefill_attention(rows, kv.k, kv.v, kv.block_table, kv.seq_lens, qo_indptr,
+                                          prefetch=True),
+        attention.paged_prefill_attention(rows, kv.k, kv.v, kv.block_table, kv.seq_lens, qo_indptr))
+
+
 def test_prefill_of_whole_prompt_equals_decode_of_last_token():
     rng = np.random.default_rng(7)
     kv = PagedKV(rng, [97, 33], num_kv_heads=2, head_dim=80, page_size=16, kind="float32")
