@@ -7,7 +7,7 @@ Layout (docs/layout.md): ``data [num_layers, 2, num_pages, num_kv_heads, page_si
 import numpy as np
 
 from pagekv import _arrays
-from pagekv.spec import KVCacheSpec
+from pagekv.spec import KVCacheSpec, pool_shape
 
 __all__ = ["KVCache"]
 
@@ -54,13 +54,9 @@ class KVCache:
     """
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, *, storage=None) -> None:
-        if not isinstance(spec, KVCacheSpec):
-            raise TypeError(f"expected a KVCacheSpec, got {type(spec).__name__}")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
-            raise ValueError(f"expected num_pages a positive integer, got {num_pages!r}")
+        shape = pool_shape(spec, num_pages)
         self.spec = spec
-        self.num_pages = int(num_pages)
-        shape = (spec.num_layers, 2, self.num_pages, spec.num_kv_heads, spec.page_size, spec.head_dim)
+        self.num_pages = shape[2]
         if storage is not None:
             self.data = _caller_storage(storage, shape, spec.dtype)
             return

@@ -8,7 +8,9 @@ The design note computed the cache of a 128K-token context as growing "quadratic
 import operator
 from dataclasses import dataclass
 
-__all__ = ["KVCacheSpec", "DTYPES"]
+import numpy as np
+
+__all__ = ["KVCacheSpec", "DTYPES", "pool_shape"]
 
 # Storage dtype -> bytes per element. bfloat16 is stored as uint16 bit patterns (docs/layout.md), so
 # numpy-only users need nothing beyond numpy; ml_dtypes.bfloat16 and torch.bfloat16 views also work.
@@ -74,3 +76,13 @@ class KVCacheSpec:
     def pages_for_tokens(self, num_tokens) -> int:
         """Pages that ``num_tokens`` tokens of one sequence occupy."""
         return -(-operator.index(num_tokens) // self.page_size)
+
+
+def pool_shape(spec, num_pages) -> tuple:
+    """``(num_layers, 2, num_pages, num_kv_heads, page_size, head_dim)``: the one array that holds
+    every layer's K and V pages of a pool (KVCache, OffloadTier), after checking both arguments."""
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"expected a KVCacheSpec, got {type(spec).__name__}")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+        raise ValueError(f"expected num_pages a positive integer, got {num_pages!r}")
+    return (spec.num_layers, 2, int(num_pages), spec.num_kv_heads, spec.page_size, spec.head_dim)

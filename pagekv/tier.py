@@ -27,7 +27,7 @@ import numpy as np
 
 from pagekv._alloc import PageAllocator
 from pagekv.errors import PagekvError
-from pagekv.spec import KVCacheSpec
+from pagekv.spec import KVCacheSpec, pool_shape
 
 __all__ = ["OffloadTier", "TierFileError"]
 
@@ -68,12 +68,8 @@ class OffloadTier:
     """
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, *, path=None) -> None:
-        if not isinstance(spec, KVCacheSpec):
-            raise TypeError(f"expected a KVCacheSpec, got {type(spec).__name__}")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
-            raise ValueError(f"expected num_pages a positive integer, got {num_pages!r}")
         self.spec = spec
-        self.num_pages = int(num_pages)
+        self.num_pages = pool_shape(spec, num_pages)[2]
         self.allocator = PageAllocator(self.num_pages)
         self.prefixes: OrderedDict[bytes, int] = OrderedDict()
         self.path = None if path is None else os.fspath(path)
@@ -190,8 +186,7 @@ class OffloadTier:
 
     # ------------------------------------------------------------------ helpers
     def _shape(self):
-        s = self.spec
-        return (s.num_layers, 2, self.num_pages, s.num_kv_heads, s.page_size, s.head_dim)
+        return pool_shape(self.spec, self.num_pages)
 
     def _map_offset(self) -> int:
         return HEADER_BYTES + self.num_pages * self.spec.bytes_per_page
