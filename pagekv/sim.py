@@ -289,8 +289,8 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
         if progress:
             progress(count)
 
-    while pending or waiting or running:
-        if not waiting and not running and pending[0][1].arrival > now:
+    while pending or waiting or running or swapped:
+        if not waiting and not running and not swapped and pending[0][1].arrival > now:
             now = pending[0][1].arrival
         while pending and pending[0][1].arrival <= now:
             rid, request = pending.popleft()
@@ -342,7 +342,8 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
         while decoding and not memory.decode([e.seq for e in decoding]):
             victim = running.pop()
             result.preemptions += 1
-            pages = memory.swap_pages(victim.seq) if policy == "paged+swap" else None
+            # swapping helps the sequences left running; a victim running alone gains nothing by it
+            pages = memory.swap_pages(victim.seq) if policy == "paged+swap" and running else None
             nbytes = (pages or 0) * memory.bytes_per_page
             recompute = config.cost.recompute_seconds(len(victim.prompt) + victim.generated,
                                                       config.model.num_params)

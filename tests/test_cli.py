@@ -149,3 +149,15 @@ def test_swap_preemption_moves_pages_both_ways_and_hides_its_swap_ins():
 def test_swap_is_not_chosen_when_recompute_is_cheaper():
     swap, recompute = _swap_run(swap_bandwidth_bytes_s=1e6)  # a 1 MB/s host link
     assert swap.swap_outs == 0 and swap.preemptions == recompute.preemptions > 0
+
+
+def test_a_swapped_sequence_outlives_everything_else_and_still_finishes():
+    # pages of 10 tokens, 3 of them: two 10-token prompts both need a second page at their first
+    # decode step, so the newer one is swapped out; it is the last one left when the other ends.
+    model = ModelShape("toy", 1, 1, 1, 1.0)
+    cost = CostModel(overhead_s=1.0, bandwidth_bytes_s=1e30, flops=1.0)  # recompute is dear
+    config = SimConfig(model=model, memory_bytes=3 * 80, page_size=10, dtype="float32",
+                       max_new_tokens=40, cost=cost)
+    result = simulate([Request(0.0, 10, 3, (1,)), Request(0.0, 10, 3, (2,))], config, "paged+swap")
+    assert (result.completed, result.swap_outs) == (2, 1)  # and simulate() found no tier page leaked
+    assert result.swap_in_bytes == result.swap_out_bytes == 80
