@@ -9,7 +9,7 @@ Three KV-memory policies replay the same trace under the same budget:
 - ``paged+prefix``: the same with prefix caching on;
 - ``paged+swap``: ``paged+prefix`` whose preemptions swap a sequence's pages to a host tier
   (``SimConfig.swap_memory_bytes``) instead of recomputing it, whenever the round trip over the
-  host link costs less than the recompute; a swapped sequence resumes (before new admissions) when
+  host link costs less than the recompute and other sequences stay running; a swapped sequence resumes (before new admissions) when
   its pages fit again, its swap-in issued one step ahead so it overlaps that step's compute.
 
 The loop: requests arrive by timestamp and wait in FCFS order; a request is admitted while its
