@@ -69,8 +69,10 @@ def build_parser():
     sim = sub.add_parser("simulate", help="replay serving traffic under contiguous vs paged KV memory",
                          description="Replay a request trace through a continuous-batching server "
                          "driven by pagekv's KVCacheManager, once per KV-memory policy: contiguous "
-                         "reservation of each request's maximum context, paged, and paged with prefix "
-                         "caching. Time is simulated by a fixed cost model, so runs are deterministic.")
+                         "reservation of each request's maximum context, paged, paged with prefix "
+                         "caching, and that with preemption by swapping to host memory when cheaper "
+                         "than recomputing. Time is simulated by a fixed cost model, so runs are "
+                         "deterministic.")
     source = sim.add_mutually_exclusive_group()
     source.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace (default: the "
                         "embedded first 300 requests of the Mooncake conversation trace)")
