@@ -37,7 +37,8 @@ def child(numba_spin):
     import numba
 
     numba.get_num_threads()  # starts Numba's pool
-    os.environ.pop("GOMP_SPINCOUNT", None) if numba_spin is not None else None
+    if numba_spin is not None:
+        del os.environ["GOMP_SPINCOUNT"]
     from pagekv.attention import paged_decode_attention
 
     rng = np.random.default_rng(0)

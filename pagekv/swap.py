@@ -115,6 +115,8 @@ class TieredKVCache:
             Too few hot pages or free rows for all of them; nothing changed.
         """
         seq_ids = self._distinct(seq_ids)
+        if not seq_ids:
+            return
         for seq_id in seq_ids:
             if seq_id not in self._swapped:
                 raise UnknownSequenceError(f"expected a swapped-out sequence id, got {seq_id!r}")
@@ -125,8 +127,6 @@ class TieredKVCache:
         if needed > self.manager.pages_obtainable():
             raise OutOfPagesError(needed, self.manager.pages_obtainable())
         hot = [self.manager.attach(seq_id, record) for seq_id, record in zip(seq_ids, records)]
-        if not seq_ids:
-            return
         cold = np.concatenate([self._swapped.pop(seq_id)[1] for seq_id in seq_ids])
         job = _Prefetch(self._cold, self._hot, cold, np.concatenate(hot))
         for seq_id in seq_ids:
@@ -190,24 +190,25 @@ class TieredKVCache:
     def _spill(self, keys, pages) -> None:
         """The manager's eviction hook: copy evicted prefix pages into the tier while they still hold
         their KV; the oldest spilled pages make room, and what does not fit is dropped."""
-        room = self.tier.allocator.num_free + len(self.tier.prefixes)
-        keys, pages = keys[-room:] if room else [], pages[-room:] if room else pages[:0]
-        if not keys:
+        room = self._tier_room()
+        if not keys or not room:
             return
-        shortfall = len(keys) - self.tier.allocator.num_free
-        if shortfall > 0:
-            self.tier.evict_prefixes(shortfall)
-        cold = self.tier.allocator.allocate(len(keys))
+        keys, pages = keys[-room:], pages[-room:]
+        cold = self._take_tier_pages(len(keys))
         _cache_ops.copy_across(self._hot, self._cold, pages, cold)
         for key, page in zip(keys, cold.tolist()):
             self.tier.keep_prefix(key, page)
         self.bytes_spilled += len(keys) * self.cache.spec.bytes_per_page
 
     # ------------------------------------------------------------------ helpers
+    def _tier_room(self) -> int:
+        """Tier pages an allocation could get: free ones plus spilled prefixes (droppable)."""
+        return self.tier.allocator.num_free + len(self.tier.prefixes)
+
     def _take_tier_pages(self, count):
         """Allocate ``count`` tier pages, dropping spilled prefixes (oldest first) if needed."""
-        if count > self.tier.allocator.num_free + len(self.tier.prefixes):
-            raise OutOfPagesError(count, self.tier.allocator.num_free + len(self.tier.prefixes))
+        if count > self._tier_room():
+            raise OutOfPagesError(count, self._tier_room())
         shortfall = count - self.tier.allocator.num_free
         if shortfall > 0:
             self.tier.evict_prefixes(shortfall)

@@ -79,11 +79,12 @@ class OffloadTier:
         if self.path is None:
             self.data = np.zeros(shape, _STORAGE[spec.dtype])
             return
+        empty_map = self._map_bytes(np.zeros(self.num_pages, _MAP_ENTRY))
         with open(self.path, "xb") as f:  # "x": never overwrite a file someone else owns
             f.truncate(self._file_bytes())
-            f.write(self._header(zlib.crc32(self._map_bytes(np.zeros(self.num_pages, _MAP_ENTRY)))))
+            f.write(self._header(zlib.crc32(empty_map)))
             f.seek(self._map_offset())
-            f.write(self._map_bytes(np.zeros(self.num_pages, _MAP_ENTRY)))
+            f.write(empty_map)
         self._map_file(self.path)
 
     # ------------------------------------------------------------------ the file

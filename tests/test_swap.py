@@ -29,10 +29,9 @@ def fill(t, seq_id, rng):
     """Random bytes in every page of ``seq_id`` (all layers, K and V); returns its KV [L, 2, n, ...]."""
     table = t.manager.page_table(seq_id)
     data = t.cache.data
-    raw = rng.integers(0, 2**16, size=data[:, :, table].shape).astype(data.dtype.newbyteorder("="))
-    if data.dtype == np.float32:
-        raw = rng.standard_normal(data[:, :, table].shape).astype(np.float32)
-    data[:, :, table] = raw
+    shape = data[:, :, table].shape
+    data[:, :, table] = (rng.standard_normal(shape).astype(np.float32) if data.dtype == np.float32
+                         else rng.integers(0, 2**16, size=shape).astype(data.dtype))
     return kv_of(t, seq_id)
 
 
@@ -155,15 +154,7 @@ def test_evicted_prefix_pages_spill_to_the_tier_and_come_back():
 
 
 def test_tier_file_survives_a_restart(tmp_path):
-    path = tmp_path / "tier.bin"
-    rng = np.random.default_rng(3)
-    t = tiered(hot_pages=8, tier_pages=8, path=path)
-    prompt = list(range(12)) + [7]
-    t.manager.add_sequence("p", prompt)
-    kv = fill(t, "p", rng)
-    t.manager.free("p")
-    t.manager.add_sequence("filler", list(range(300, 332)))  # spills p's 3 pages to the file
-    t.tier.close()
+    path, _, prompt, kv = _spilled_file(tmp_path)
     np.save(tmp_path / "kv.npy", kv[:, :, :3])
     script = textwrap.dedent(f"""
         import numpy as np
@@ -187,14 +178,19 @@ def test_tier_file_survives_a_restart(tmp_path):
 
 
 def _spilled_file(tmp_path):
+    """A closed file tier holding the 3 full pages of one prompt, spilled from an 8-page hot cache.
+
+    Returns the path, the spec, the prompt and its KV [L, 2, 4 pages, ...] as it was written.
+    """
     path = tmp_path / "tier.bin"
     t = tiered(hot_pages=8, tier_pages=8, path=path)
-    t.manager.add_sequence("p", list(range(12)) + [7])
-    fill(t, "p", np.random.default_rng(4))
+    prompt = list(range(12)) + [7]
+    t.manager.add_sequence("p", prompt)
+    kv = fill(t, "p", np.random.default_rng(4))
     t.manager.free("p")
-    t.manager.add_sequence("filler", list(range(300, 332)))
+    t.manager.add_sequence("filler", list(range(300, 332)))  # spills p's 3 full pages to the file
     t.tier.close()
-    return path, t.tier.spec
+    return path, t.tier.spec, prompt, kv
 
 
 def _flip(path, offset):
@@ -204,7 +200,7 @@ def _flip(path, offset):
 
 
 def test_damaged_tier_files_are_refused(tmp_path):
-    path, spec = _spilled_file(tmp_path)
+    path, spec, _, _ = _spilled_file(tmp_path)
     good = path.read_bytes()
     path.write_bytes(good[:-100])
     with pytest.raises(TierFileError, match="truncated"):
@@ -229,7 +225,7 @@ def test_damaged_tier_files_are_refused(tmp_path):
 
 
 def test_a_page_that_changed_after_the_last_flush_is_dropped_not_trusted(tmp_path):
-    path, _ = _spilled_file(tmp_path)
+    path, _, _, _ = _spilled_file(tmp_path)
     tier = OffloadTier.open(path)
     page = next(iter(tier.prefixes.values()))
     tier.data[0, 0, page] += 1  # as if reused after the flush, and the process then stopped
