@@ -74,8 +74,9 @@ def as_float32(storage, kind):
 
 
 # ----------------------------------------------------------------------------------- implementations
-def pagekv_decode(p, *, contiguous=False, prefetch=False):
-    """pagekv's decode kernel, plan made once (as a step does for all its layers)."""
+def pagekv_decode(p, *, contiguous=False, prefetch=True):
+    """pagekv's decode kernel, plan made once (as a step does for all its layers); ``prefetch`` as
+    in ``paged_decode_attention`` (on by default there too)."""
     plan = attention.plan_decode(p.seq_lens, page_size=p.k_cache.shape[2])
     out = np.empty_like(p.q)
     k, v = (p.k_contiguous, p.v_contiguous) if contiguous else (p.k_cache, p.v_cache)

@@ -17,7 +17,7 @@ from attention_cases import (KINDS, numpy_gather_decode, pagekv_decode, problem,
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 IMPLEMENTATIONS = {
     "pagekv": lambda p: pagekv_decode(p),
-    "pagekv prefetch": lambda p: pagekv_decode(p, prefetch=True),
+    "pagekv no prefetch": lambda p: pagekv_decode(p, prefetch=False),
     "pagekv contiguous": lambda p: pagekv_decode(p, contiguous=True),
     "numpy gather": numpy_gather_decode,
     "torch sdpa (dense)": torch_sdpa_decode,

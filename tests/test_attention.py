@@ -87,21 +87,51 @@ def test_prefill_matches_reference(problem, data):
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16"])
-def test_next_page_prefetch_changes_no_result(kind):
-    """Prefetch only moves data closer: decode and prefill give bit-identical outputs with it."""
+def test_prefetch_changes_no_result(kind):
+    """Prefetch only moves data closer: outputs are bit-identical off, on, and at any distance
+    (1 byte = one block ahead, 10**6 = past every item's end)."""
     rng = np.random.default_rng(11)
     kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=2, head_dim=64, page_size=16, kind=kind)
     q = rng.standard_normal((4, 8, 64)).astype(np.float32)
-    for prefetch in (True, 1, 64):
-        np.testing.assert_array_equal(
-            attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens, prefetch=prefetch),
-            attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens))
     qo_indptr = np.array([0, 1, 10, 50, 150], np.int32)
     rows = rng.standard_normal((150, 8, 64)).astype(np.float32)
-    np.testing.assert_array_equal(
-        attention.paged_prefill_attention(rows, kv.k, kv.v, kv.block_table, kv.seq_lens, qo_indptr,
-                                          prefetch=True),
-        attention.paged_prefill_attention(rows, kv.k, kv.v, kv.block_table, kv.seq_lens, qo_indptr))
+    decode_off = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                  prefetch=False)
+    prefill_off = attention.paged_prefill_attention(rows, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                    qo_indptr, prefetch=False)
+    for prefetch in (True, 1, 5000, 10**6):
+        np.testing.assert_array_equal(
+            attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                             prefetch=prefetch), decode_off)
+        np.testing.assert_array_equal(
+            attention.paged_prefill_attention(rows, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                              qo_indptr, prefetch=prefetch), prefill_off)
+
+
+@pytest.mark.parametrize("num_heads, page_end, chunk_pages", [(8, 40, 16), (1, 5, 2), (3, 7, 3)])
+def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_pages):
+    """_block_ahead names the block `distance` visits ahead: a chunk's K blocks, its V blocks, the
+    next chunk's K blocks, ... (a Python list of the visits is the reference), and none past the
+    item's last visit."""
+    from pagekv.kernels.attention import _block_ahead
+
+    table = np.random.default_rng(3).permutation(1000)[:page_end].astype(np.int32)[None, :]
+    visits = []  # (pass number, in_v, logical page, head, chunk first, chunk last)
+    passes = ((first, in_v) for first in range(0, page_end, chunk_pages) for in_v in (False, True))
+    for pass_number, (first, in_v) in enumerate(passes):
+        last = min(first + chunk_pages, page_end)
+        visits += [(pass_number, in_v, p, h, first, last)
+                   for p in range(first, last) for h in range(num_heads)]
+    for distance in (0, 1, 2, num_heads * chunk_pages + 1):
+        for i, (pass_number, v_pass, p, h, first, last) in enumerate(visits):
+            got = _block_ahead(table, 0, p, h, num_heads, first, last, page_end, chunk_pages, v_pass,
+                               distance)
+            # Targets lie in the pass being read or the next one; none past the item's end.
+            if distance == 0 or i + distance >= len(visits) or visits[i + distance][0] > pass_number + 1:
+                assert got[1] == -1, (i, distance)
+            else:
+                in_v, page, head = visits[i + distance][1:4]
+                assert got == (in_v, table[0, page], head), (i, distance)
 
 
 def test_prefill_of_whole_prompt_equals_decode_of_last_token():

@@ -55,8 +55,8 @@ def test_seq_len_beyond_the_table(kv):
     (dict(scale=float("nan")), ValueError, "expected a finite scale"),
     (dict(out=np.zeros((2, 4, 64), np.float16)), ValueError, "expected out float32"),
     (dict(out=np.zeros((2, 4, 128), np.float32)[..., ::2]), ValueError, "C-contiguous"),
-    (dict(prefetch=-1), ValueError, "expected prefetch a bool or an integer >= 0, got -1"),
-    (dict(prefetch=2.5), ValueError, "expected prefetch a bool or an integer >= 0, got 2.5"),
+    (dict(prefetch=-1), ValueError, "expected prefetch a bool or a number of bytes >= 0, got -1"),
+    (dict(prefetch=2.5), ValueError, "expected prefetch a bool or a number of bytes >= 0, got 2.5"),
 ])
 def test_bad_arguments(kv, changes, error, message):
     with pytest.raises(error, match=message):
