@@ -74,13 +74,17 @@ def as_float32(storage, kind):
 
 
 # ----------------------------------------------------------------------------------- implementations
-def pagekv_decode(p, *, contiguous=False, prefetch=True):
+def pagekv_decode(p, *, contiguous=False, prefetch=True, resident_pages=None):
     """pagekv's decode kernel, plan made once (as a step does for all its layers); ``prefetch`` as
-    in ``paged_decode_attention`` (on by default there too)."""
+    in ``paged_decode_attention`` (on by default there too). ``resident_pages=n`` maps every
+    logical page onto the first n physical pages, so the step computes as much as ever but reads
+    from cache: the loops' speed when memory costs nothing."""
     plan = attention.plan_decode(p.seq_lens, page_size=p.k_cache.shape[2])
     out = np.empty_like(p.q)
     k, v = (p.k_contiguous, p.v_contiguous) if contiguous else (p.k_cache, p.v_cache)
     table = p.contiguous_table if contiguous else p.block_table
+    if resident_pages:
+        table = table % np.int32(resident_pages)
 
     def run():
         return attention.paged_decode_attention(p.q, k, v, table, p.seq_lens, out=out, plan=plan,

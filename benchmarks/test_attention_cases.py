@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from attention_cases import KINDS, numpy_gather_decode, pagekv_decode, problem, streaming_read, torch_sdpa_decode
+from pagekv import attention
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -18,6 +19,15 @@ def test_implementations_agree(kind):
     if importlib.util.find_spec("torch") is not None:
         got = torch_sdpa_decode(p)().float().squeeze(2).numpy()
         np.testing.assert_allclose(got, expected, rtol=0.05 if kind == "bfloat16" else 1e-4, atol=2e-2)
+
+
+def test_resident_pages_reads_only_the_first_pages():
+    p = problem("tiny", "float32")
+    resident = pagekv_decode(p, resident_pages=2)()
+    k, v = p.k_cache.copy(), p.v_cache.copy()
+    k[2:], v[2:] = np.nan, np.nan  # pages past the first two are never read
+    table = p.block_table % np.int32(2)
+    np.testing.assert_array_equal(attention.paged_decode_attention(p.q, k, v, table, p.seq_lens), resident)
 
 
 def test_streaming_read_sums_every_element():

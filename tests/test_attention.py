@@ -21,7 +21,7 @@ def problems(draw, *, max_len=300):
         seq_lens=draw(st.lists(st.sampled_from([1, 2, 15, 16, 17, 63, 64, 65, 97, 1, max_len]) |
                                st.integers(1, max_len), min_size=1, max_size=4)),
         num_kv_heads=num_kv_heads,
-        group=draw(st.sampled_from([1, 2, 4])),
+        group=draw(st.sampled_from([1, 2, 3, 4, 5, 8])),  # 4-row blocks, remainders, both
         head_dim=draw(st.sampled_from(HEAD_DIMS)),
         page_size=draw(st.sampled_from(PAGE_SIZES)),
         kind=draw(st.sampled_from(KINDS)),
