@@ -1,7 +1,7 @@
 """Two thread pools in one process: torch's intra-op pool and Numba's, alternating like a model's layers.
 
     python benchmarks/threads_mix.py [--repeat 3]   # every setup, each in its own process
-    python benchmarks/threads_mix.py --child default
+    python benchmarks/threads_mix.py --child "default (omp, spin unchanged)"   # one setup, one process
 
 torch ships its own libgomp and Numba's "omp" layer loads the system one, so a torch process running
 pagekv has two OpenMP pools whose idle workers spin (GOMP_SPINCOUNT) while the other pool works.
