@@ -34,19 +34,3 @@ def test_streaming_read_sums_every_element():
     run, num_bytes = streaming_read(1 << 20)
     assert run() == num_bytes // 4
 
-
-def test_bf16_dot_study_computes_the_bfloat16_query_dot_products():
-    """The study's vdpbf16ps loop is exact for bfloat16 queries (float32 sums of exact products)."""
-    import llvmlite.binding as llvm
-
-    if not llvm.get_host_cpu_features().get("avx512bf16"):
-        pytest.skip("this CPU has no AVX512-BF16")
-    from bf16_dot_study import _bf16_bits, _scores_dp
-
-    rng = np.random.default_rng(1)
-    k_cache = _bf16_bits(rng.standard_normal((2, 3, 16, 96), dtype=np.float32))
-    q_bits = _bf16_bits(rng.standard_normal((4, 96), dtype=np.float32))
-    scores = np.zeros((4, 16), np.float32)
-    _scores_dp(q_bits, k_cache, 1, 2, 16, scores)
-    widen = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    np.testing.assert_allclose(scores, widen(q_bits) @ widen(k_cache[1, 2]).T, rtol=1e-5, atol=1e-4)
