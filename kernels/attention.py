@@ -123,7 +123,8 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
 
     Four value rows per pass over four accumulator rows at once: each value load feeds four
     multiply-adds and each accumulator load and store sixteen (rows left over: four value rows per
-    pass over one accumulator row). Prefetches like :func:`_page_scores`.
+    pass over one accumulator row; the last num_tokens % 4 value rows: one at a time, every
+    accumulator row). Prefetches like :func:`_page_scores`.
     """
     head_dim = acc.shape[1]
     r = r0
@@ -147,12 +148,6 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
                 acc[r + 2, d] += (e0 * v0 + e1 * v1) + (e2 * v2 + e3 * v3)
                 acc[r + 3, d] += (f0 * v0 + f1 * v1) + (f2 * v2 + f3 * v3)
             t += 4
-        for t in range(t, num_tokens):
-            _prefetch_rows(pf_cache, pf, pf_head, t, 1)
-            for rr in range(r, r + 4):
-                p = scores[rr, col + t]
-                for d in range(head_dim):
-                    acc[rr, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
         r += 4
     for r in range(r, r0 + num_rows):
         pf = pf_page if r == r0 else -1
@@ -167,8 +162,9 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
                     (p2 * load_f32(vc, vp, vh, t + 2, d, kv_format)
                      + p3 * load_f32(vc, vp, vh, t + 3, d, kv_format))
             t += 4
-        for t in range(t, num_tokens):
-            _prefetch_rows(pf_cache, pf, pf_head, t, 1)
+    for t in range(num_tokens - num_tokens % 4, num_tokens):  # the last tokens, every row
+        _prefetch_rows(pf_cache, pf_page, pf_head, t, 1)
+        for r in range(r0, r0 + num_rows):
             p = scores[r, col + t]
             for d in range(head_dim):
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
