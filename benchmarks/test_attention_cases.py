@@ -33,4 +33,3 @@ def test_resident_pages_reads_only_the_first_pages():
 def test_streaming_read_sums_every_element():
     run, num_bytes = streaming_read(1 << 20)
     assert run() == num_bytes // 4
-

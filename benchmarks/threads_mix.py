@@ -41,7 +41,6 @@ def child(numba_spin):
         import ctypes
 
         ctypes.CDLL("libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
-    import numpy as np
     import torch
 
     if numba_spin is not None:  # seen only by the libgomp that Numba's pool loads now
