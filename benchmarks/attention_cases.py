@@ -74,9 +74,9 @@ def as_float32(storage, kind):
 
 
 # ----------------------------------------------------------------------------------- implementations
-def pagekv_decode(p, *, contiguous=False, prefetch=True, resident_pages=None):
-    """pagekv's decode kernel, plan made once (as a step does for all its layers); ``prefetch`` as
-    in ``paged_decode_attention`` (on by default there too). ``resident_pages=n`` maps every
+def pagekv_decode(p, *, contiguous=False, prefetch=True, resident_pages=None, fast_bf16=True):
+    """pagekv's decode kernel, plan made once (as a step does for all its layers); ``prefetch`` and
+    ``fast_bf16`` as in ``paged_decode_attention`` (both on by default there too). ``resident_pages=n`` maps every
     logical page onto the first n physical pages, so the step computes as much as ever but reads
     from cache: the loops' speed when memory costs nothing."""
     plan = attention.plan_decode(p.seq_lens, page_size=p.k_cache.shape[2])
@@ -88,7 +88,7 @@ def pagekv_decode(p, *, contiguous=False, prefetch=True, resident_pages=None):
 
     def run():
         return attention.paged_decode_attention(p.q, k, v, table, p.seq_lens, out=out, plan=plan,
-                                                prefetch=prefetch)
+                                                prefetch=prefetch, fast_bf16=fast_bf16)
     return run
 
 

@@ -26,6 +26,21 @@ def _bits_as_f32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def fmax(typingctx, x, y):
+    """max of two float32 by ``llvm.maxnum`` (a NaN operand loses), which LLVM vectorises as a
+    reduction: Python's ``max`` and a compare-and-select stayed scalar chains of vmaxss."""
+    if x != types.float32 or y != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [f32], ir.FunctionType(f32, [f32, f32]))
+        return builder.call(fn, args)
+
+    return types.float32(types.float32, types.float32), codegen
+
+
 @njit(inline="always", fastmath=_FM, error_model="numpy")
 def fast_exp(x):
     """exp(x) for float32 x, branch-free."""

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from pagekv.kernels._dtypes import load_f32
-from pagekv.kernels._math import fast_exp
+from pagekv.kernels import _bf16_dot as bf16
+from pagekv.kernels._dtypes import FORMAT_BFLOAT16, load_f32
+from pagekv.kernels._math import fast_exp, fmax
 from pagekv.kernels.prefetch import prefetch_rows as _prefetch_rows
 
 # Not fastmath=True: that implies no-NaN/no-inf and would break -inf masking. These flags let LLVM
@@ -171,6 +172,76 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
 
 
 @njit(inline="always", **_JIT)
+def _address(cache, page, head):
+    """Address of block ``cache[page, head]``; 0 when page < 0 (no block)."""
+    if page < 0:
+        return 0
+    return cache.ctypes.data + page * cache.strides[0] + head * cache.strides[1]
+
+
+@njit(inline="always", **_JIT)
+def _page_scores_bf16(q_bits, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, pf_cache,
+                      pf_page, pf_head):
+    """:func:`_page_scores` for bfloat16 pages (head_dim a multiple of 32) by vdpbf16ps tiles.
+
+    q_bits : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled: the scores
+    are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the page's last
+    num_tokens % 4 keys and the rows left over take narrower tiles. Each key row's line of the
+    block ahead is prefetched by the first row tile.
+    """
+    chunks = kc.shape[3] // bf16.PAIRS
+    k_row, q_row, s_row = kc.strides[2], q_bits.strides[0], scores.strides[0]
+    block = _address(kc, kp, kh)
+    ahead = _address(pf_cache, pf_page, pf_head)
+    r = r0
+    while r < r0 + num_rows:
+        four_rows = r + 4 <= r0 + num_rows
+        q = q_bits.ctypes.data + r * q_row
+        out = scores.ctypes.data + r * s_row + col * 4
+        for t in range(0, num_tokens, 4):
+            pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
+            k_t, out_t = block + t * k_row, out + t * 4
+            if t + 4 <= num_tokens:
+                if four_rows:
+                    bf16.qk_4x4(q, q_row, k_t, k_row, chunks, scale, out_t, s_row, pf)
+                else:
+                    bf16.qk_1x4(q, q_row, k_t, k_row, chunks, scale, out_t, s_row, pf)
+                continue
+            for u in range(t, num_tokens):
+                pf_u = pf + (u - t) * k_row if pf != 0 else 0
+                k_u, out_u = block + u * k_row, out + u * 4
+                if four_rows:
+                    bf16.qk_4x1(q, q_row, k_u, k_row, chunks, scale, out_u, s_row, pf_u)
+                else:
+                    bf16.qk_1x1(q, q_row, k_u, k_row, chunks, scale, out_u, s_row, pf_u)
+        r += 4 if four_rows else 1
+
+
+@njit(inline="always", **_JIT)
+def _page_accumulate_bf16(packed, r0, num_rows, col, vc, vp, vh, num_tokens, acc, pf_cache, pf_page,
+                          pf_head):
+    """:func:`_page_accumulate` for bfloat16 pages (head_dim a multiple of 32, col even) by
+    vdpbf16ps tiles of 4 accumulator rows (1 for rows left over), two tokens per instruction.
+
+    packed : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`.
+    """
+    chunks = vc.shape[3] // bf16.PAIRS
+    block = _address(vc, vp, vh)
+    ahead = _address(pf_cache, pf_page, pf_head)
+    a_row, p_row = acc.strides[0], packed.strides[0]
+    r = r0
+    while r < r0 + num_rows:
+        pf = ahead if r == r0 else 0
+        a, p = acc.ctypes.data + r * a_row, packed.ctypes.data + r * p_row + (col // 2) * 4
+        if r + 4 <= r0 + num_rows:
+            bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, chunks, pf)
+            r += 4
+        else:
+            bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, chunks, pf)
+            r += 1
+
+
+@njit(inline="always", **_JIT)
 def _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end, chunk_pages, v_pass,
                  distance):
     """The block ``distance`` visits after block (page p, head h), to prefetch while reading it.
@@ -193,6 +264,19 @@ def _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end, chunk
     if page >= last:
         return in_v, -1, 0
     return in_v, block_table[seq, page], index % num_heads
+
+
+@njit(cache=True, fastmath=FASTMATH | {"nnan"}, error_model="numpy", nogil=True)
+def _row_max(scores, r, n):
+    """max(scores[r, :n]) as float32 (-inf if n == 0; scores hold no NaN).
+
+    ``fmax`` (llvm.maxnum) vectorises; Python's ``max`` compiled to a scalar float64 chain, ~70% of
+    the softmax's time. "nnan" lets maxnum be a bare vmaxps (no NaN fix-ups: the softmax 20%
+    faster), so this loop is not inlined: inlined code takes its caller's flags."""
+    top = np.float32(-np.inf)
+    for t in range(n):
+        top = fmax(top, scores[r, t])
+    return top
 
 
 # The chunk routines are separate functions, not inlined: compiled on their own, LLVM vectorises
@@ -223,9 +307,7 @@ def _softmax_update(scores, r0, num_rows, num_cols, key0, qpos, masked, window, 
                 if k > qpos[r] or (window > 0 and k <= qpos[r] - window):
                     scores[r, t] = -np.inf
     for r in range(r0, r0 + num_rows):
-        chunk_max = -np.inf
-        for t in range(num_cols):
-            chunk_max = max(chunk_max, scores[r, t])
+        chunk_max = _row_max(scores, r, num_cols)
         if chunk_max == -np.inf:  # every key of this chunk is masked for this row
             for t in range(num_cols):
                 scores[r, t] = 0.0
@@ -254,6 +336,23 @@ def _slot_scratch(rows, cols, head_dim):
             np.empty((rows, cols), np.float32))
 
 
+@njit(**_JIT)
+def _dot_scratch(rows, cols, head_dim, dot_products):
+    """The bfloat16 path's working arrays (empty when it is not taken): the queries rounded to
+    bfloat16, uint16 [rows, head_dim], and the packed probabilities, uint32 [rows, cols // 2 + 1]."""
+    if not dot_products:
+        rows = 0
+    return np.empty((rows, head_dim), np.uint16), np.empty((rows, cols // 2 + 1), np.uint32)
+
+
+@njit(inline="always", **_JIT)
+def _takes_dot_products(k_cache, kv_format, allowed):
+    """Whether the vdpbf16ps path applies: bfloat16 pages, head_dim a multiple of 32, and an even
+    page size (so every page starts on a packed probability pair)."""
+    return (allowed and kv_format == FORMAT_BFLOAT16 and k_cache.shape[3] % bf16.PAIRS == 0
+            and k_cache.shape[2] % 2 == 0)
+
+
 @njit(inline="always", **_JIT)
 def _finish_row(acc_row, m_r, l_r, out_row):
     """Write acc / l to out_row and return the row's log-sum-exp (-inf and zeros if nothing attended)."""
@@ -268,7 +367,7 @@ def _finish_row(acc_row, m_r, l_r, out_row):
 
 @njit(parallel=True, **_JIT)
 def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
-           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks):
+           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, dot_products):
     """Decode attention over planned work items.
 
     A work item is one sequence over a run of its pages, all KV heads at once: in the HND layout
@@ -283,15 +382,18 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     slot_indptr : int32 [num_slots + 1], items of slot i are items[slot_indptr[i]:slot_indptr[i + 1]].
     alibi_slopes : float32 [num_q_heads] or empty. prefetch_blocks : int, how many head blocks
     ahead of the one being read (in the item's visit order, see :func:`_block_ahead`) to prefetch
-    (0: none).
+    (0: none). dot_products : bool, whether bfloat16 pages may take the vdpbf16ps tiles (query
+    and probabilities rounded to bfloat16; kernels/_bf16_dot.py), when the shape allows.
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_q_heads = q.shape[1]
     group = num_q_heads // num_kv_heads
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
+    dots = _takes_dot_products(k_cache, kv_format, dot_products)
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(
             num_q_heads, chunk_pages * page_size, head_dim)
+        q_bits, packed = _dot_scratch(num_q_heads, chunk_pages * page_size, head_dim, dots)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
@@ -302,6 +404,10 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                 m[h] = -np.inf
                 l[h] = 0.0
             qpos[:] = seq_len - 1
+            if dots:  # unscaled: a bfloat16 query stays exact (the tiles scale the scores)
+                for h in range(num_q_heads):
+                    for d in range(head_dim):
+                        q_bits[h, d] = bf16.to_bf16(q[seq, h, d])
             for first in range(page_begin, page_end, chunk_pages):
                 last = min(first + chunk_pages, page_end)
                 key0 = first * page_size
@@ -313,12 +419,19 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                         in_v, pf_page, pf_head = _block_ahead(
                             block_table, seq, p, head, num_kv_heads, first, last, page_end,
                             chunk_pages, False, prefetch_blocks)
-                        _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
-                                     num_tokens, scores, (p - first) * page_size,
-                                     v_cache if in_v else k_cache, pf_page, pf_head)
+                        if dots:
+                            _page_scores_bf16(q_bits, head * group, group, k_cache, page, head,
+                                              num_tokens, scale, scores, (p - first) * page_size,
+                                              v_cache if in_v else k_cache, pf_page, pf_head)
+                        else:
+                            _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
+                                         num_tokens, scores, (p - first) * page_size,
+                                         v_cache if in_v else k_cache, pf_page, pf_head)
                 masked = window > 0 and key0 <= seq_len - 1 - window
                 _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
                                 soft_cap, alibi_slopes, m, l, acc)
+                if dots:
+                    bf16.pack_pairs(scores, 0, num_q_heads, num_cols, packed)
                 for p in range(first, last):
                     page = block_table[seq, p]
                     num_tokens = min(page_size, seq_len - p * page_size)
@@ -326,9 +439,14 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                         in_v, pf_page, pf_head = _block_ahead(
                             block_table, seq, p, head, num_kv_heads, first, last, page_end,
                             chunk_pages, True, prefetch_blocks)
-                        _page_accumulate(scores, head * group, group, (p - first) * page_size,
-                                         v_cache, page, head, kv_format, num_tokens, acc,
-                                         v_cache if in_v else k_cache, pf_page, pf_head)
+                        if dots:
+                            _page_accumulate_bf16(packed, head * group, group, (p - first) * page_size,
+                                                  v_cache, page, head, num_tokens, acc,
+                                                  v_cache if in_v else k_cache, pf_page, pf_head)
+                        else:
+                            _page_accumulate(scores, head * group, group, (p - first) * page_size,
+                                             v_cache, page, head, kv_format, num_tokens, acc,
+                                             v_cache if in_v else k_cache, pf_page, pf_head)
             for h in range(num_q_heads):
                 if part < 0:
                     lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
@@ -368,21 +486,24 @@ def merge_parts(part_out, part_lse, split_seqs, out, lse):
 
 @njit(parallel=True, **_JIT)
 def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
-            scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks):
+            scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products):
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     q, out : float32 [num_tokens, num_q_heads, head_dim]; lse : float32 [num_tokens, num_q_heads].
     Sequence s owns q rows qo_indptr[s]:qo_indptr[s+1], the last of its seq_lens[s] positions.
     items : int32 [num_items, 4] = (seq, kv_head, row_begin, row_end), at most QUERY_BLOCK rows.
     prefetch_blocks : int, as in :func:`decode` (an item's blocks are its head's pages).
+    dot_products : bool, as in :func:`decode`.
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     max_rows = QUERY_BLOCK * group
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
+    dots = _takes_dot_products(k_cache, kv_format, dot_products)
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(
             max_rows, chunk_pages * page_size, head_dim)
+        q_bits, packed = _dot_scratch(max_rows, chunk_pages * page_size, head_dim, dots)
         slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, head, row_begin, row_end = items[item]
@@ -395,6 +516,9 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                     for d in range(head_dim):
                         qs[r, d] = q[row_begin + i, head * group + g, d] * scale
                         acc[r, d] = 0.0
+                    if dots:
+                        for d in range(head_dim):
+                            q_bits[r, d] = bf16.to_bf16(q[row_begin + i, head * group + g, d])
                     m[r] = -np.inf
                     l[r] = 0.0
                     qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
@@ -410,19 +534,32 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                 for p in range(first, last):
                     in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
                                                     chunk_pages, False, prefetch_blocks)
-                    _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
-                                 min(page_size, seq_len - p * page_size), scores, (p - first) * page_size,
-                                 v_cache if in_v else k_cache, pf_page, head)
+                    num_tokens = min(page_size, seq_len - p * page_size)
+                    if dots:
+                        _page_scores_bf16(q_bits, 0, num_rows, k_cache, block_table[seq, p], head,
+                                          num_tokens, scale, scores, (p - first) * page_size,
+                                          v_cache if in_v else k_cache, pf_page, head)
+                    else:
+                        _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
+                                     num_tokens, scores, (p - first) * page_size,
+                                     v_cache if in_v else k_cache, pf_page, head)
                 masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
                 _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
                                 slopes, m, l, acc)
+                if dots:
+                    bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
                 for p in range(first, last):
                     in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
                                                     chunk_pages, True, prefetch_blocks)
-                    _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                     block_table[seq, p], head, kv_format,
-                                     min(page_size, seq_len - p * page_size), acc,
-                                     v_cache if in_v else k_cache, pf_page, head)
+                    num_tokens = min(page_size, seq_len - p * page_size)
+                    if dots:
+                        _page_accumulate_bf16(packed, 0, num_rows, (p - first) * page_size, v_cache,
+                                              block_table[seq, p], head, num_tokens, acc,
+                                              v_cache if in_v else k_cache, pf_page, head)
+                    else:
+                        _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                         block_table[seq, p], head, kv_format, num_tokens, acc,
+                                         v_cache if in_v else k_cache, pf_page, head)
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g

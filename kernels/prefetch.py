@@ -20,6 +20,15 @@ CACHE_LINE = 64
 _LOCALITY_L2 = 2
 
 
+def emit_prefetch(builder, address):
+    """Emit ``llvm.prefetch`` (read, into L2) of an integer address with an llvmlite builder."""
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+        ir.VoidType(), [i8p, i32, i32, i32]))
+    builder.call(fn, [builder.inttoptr(address, i8p), i32(0), i32(_LOCALITY_L2), i32(1)])
+
+
 @intrinsic
 def prefetch_address(typingctx, address):
     """Emit ``llvm.prefetch`` (read, into L2) for an integer address. Never faults."""
@@ -27,12 +36,7 @@ def prefetch_address(typingctx, address):
         return None
 
     def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
-            ir.VoidType(), [i8p, i32, i32, i32]))
-        pointer = builder.inttoptr(args[0], i8p)
-        builder.call(fn, [pointer, i32(0), i32(_LOCALITY_L2), i32(1)])
+        emit_prefetch(builder, args[0])
         return context.get_dummy_value()
 
     return types.void(address), codegen

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_builders import TOLERANCE, PagedKV, relative_error, to_storage, widen
+from kv_builders import (FAST_BF16_TOLERANCE, TOLERANCE, PagedKV, relative_error, takes_fast_bf16,
+                         to_storage, widen)
 from pagekv import attention
 from pagekv.reference import attention as reference
 
@@ -31,6 +32,7 @@ def problems(draw, *, max_len=300):
             "logits_soft_cap": st.sampled_from([5.0, 30.0]),
             "alibi_slopes": st.just("alibi"),
             "scale": st.floats(0.01, 0.5),
+            "fast_bf16": st.booleans(),
         })),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -47,16 +49,32 @@ def build(problem):
     return rng, kv, num_q_heads, options
 
 
+def reference_options(options):
+    return {name: value for name, value in options.items() if name != "fast_bf16"}
+
+
 def query(rng, shape, kind):
     storage = to_storage(rng.standard_normal(shape), kind)
     return (storage.view(np.float16) if kind == "float16" else storage), widen(storage, kind)
 
 
-def check(got, expected, kind):
+def fast_path(problem):
+    return takes_fast_bf16(problem["kind"], problem["head_dim"], problem["page_size"],
+                           problem["options"].get("fast_bf16", True))
+
+
+def reference_query(q64, problem):
+    """The query the kernel multiplies with: rounded to bfloat16 on the fast path, so the scores
+    and lse compare tightly and only the probabilities' rounding is left in the output."""
+    return widen(to_storage(q64, "bfloat16"), "bfloat16") if fast_path(problem) else q64
+
+
+def check(got, expected, kind, problem):
     got = np.asarray(got)
     got_values = widen(got.view(np.uint16), kind) if kind == "bfloat16" else got.astype(np.float64)
     assert not np.isnan(got_values).any()
-    assert relative_error(got_values, expected) <= TOLERANCE[kind]
+    tolerance = max(TOLERANCE[kind], FAST_BF16_TOLERANCE if fast_path(problem) else 0)
+    assert relative_error(got_values, expected) <= tolerance
 
 
 @given(problems())
@@ -65,10 +83,10 @@ def test_decode_matches_reference(problem):
     q, q64 = query(rng, (len(kv.seq_lens), num_q_heads, problem["head_dim"]), problem["q_kind"])
     out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
                                                 return_lse=True, **options)
-    expected, expected_lse = reference.decode(q64, kv.k64, kv.v64, kv.block_table, kv.seq_lens,
-                                              **options)
+    expected, expected_lse = reference.decode(reference_query(q64, problem), kv.k64, kv.v64,
+                                              kv.block_table, kv.seq_lens, **reference_options(options))
     assert out.shape == q.shape and out.dtype == q.dtype
-    check(out, expected, problem["q_kind"])
+    check(out, expected, problem["q_kind"], problem)
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
@@ -80,9 +98,10 @@ def test_prefill_matches_reference(problem, data):
     q, q64 = query(rng, (qo_indptr[-1], num_q_heads, problem["head_dim"]), problem["q_kind"])
     out, lse = attention.paged_prefill_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
                                                  qo_indptr, return_lse=True, **options)
-    expected, expected_lse = reference.prefill(q64, kv.k64, kv.v64, kv.block_table, kv.seq_lens,
-                                               qo_indptr, **options)
-    check(out, expected, problem["q_kind"])
+    expected, expected_lse = reference.prefill(reference_query(q64, problem), kv.k64, kv.v64,
+                                               kv.block_table, kv.seq_lens, qo_indptr,
+                                               **reference_options(options))
+    check(out, expected, problem["q_kind"], problem)
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
@@ -165,7 +184,10 @@ def test_random_page_order_equals_contiguous_layout(kind, page_size):
 
 
 @pytest.mark.parametrize("window", [None, 1000])
-def test_split_and_unsplit_plans_agree(window):
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_split_and_unsplit_plans_agree(window, fast_bf16):
+    """Pieces merged by log-sum-exp equal the whole. On the fast path each piece rounds its
+    probabilities relative to its own running max, so the two agree to bfloat16 rounding only."""
     rng = np.random.default_rng(3)
     kv = PagedKV(rng, [4099, 5, 2000], num_kv_heads=2, head_dim=128, page_size=16, kind="bfloat16")
     q = rng.standard_normal((3, 8, 128)).astype(np.float32)
@@ -175,11 +197,14 @@ def test_split_and_unsplit_plans_agree(window):
                                      num_threads=threads)
         outs[threads] = attention.paged_decode_attention(
             q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=plan, sliding_window=window,
-            return_lse=True)
+            return_lse=True, fast_bf16=fast_bf16)
     assert len(attention.plan_decode(kv.seq_lens, page_size=16,
                                      num_threads=7).split_seqs) > 0, "the 7-slot plan must split"
-    np.testing.assert_allclose(outs[1][0], outs[7][0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(outs[1][1], outs[7][1], rtol=1e-5, atol=1e-5)
+    if fast_bf16:
+        assert relative_error(outs[7][0], outs[1][0].astype(np.float64)) <= FAST_BF16_TOLERANCE
+    else:
+        np.testing.assert_allclose(outs[1][0], outs[7][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[1][1], outs[7][1], rtol=1e-5, atol=1e-5)  # scores: not rounded
 
 
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 16),

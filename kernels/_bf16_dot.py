@@ -1,0 +1,308 @@
+"""bfloat16 dot products for the attention loops: ``vdpbf16ps`` tiles written in LLVM IR.
+
+Why: with bfloat16 pages the attention loops are bound by float32 multiply-adds, not by memory
+(README, "Decode attention": each K and V element feeds one FMA per query head of its GQA group).
+AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16 pairs into 16 float32 sums per instruction —
+twice the products of a float32 FMA, with no widening instructions. Numba's vectoriser never
+emits it, so the two inner loops are written here as IR:
+
+- ``qk_RxT`` — scores of R query rows against T key rows (a register tile of R x T
+  accumulators, summed across lanes together at the end: one tree of shuffles for the whole tile,
+  not one per dot product);
+- ``pv_R`` — R accumulator rows += probabilities x value rows, two tokens per instruction:
+  the rows of tokens t and t + 1 are interleaved so each bfloat16 pair is (v[t, d], v[t + 1, d]),
+  and the probabilities arrive packed as (p[t], p[t + 1]) pairs.
+
+What is rounded: the products of two bfloat16 numbers are exact in float32 and the sums are
+float32, so only what is fed in is rounded — the query (exact when the model's query is bfloat16,
+as the scale is applied to the sums, not to the query) and the softmax probabilities, each once to
+bfloat16, as FlashAttention does on GPUs. Measured on the benchmark shapes with float32 queries:
+outputs within 3e-3 of float64 (relative to the largest output), about one bfloat16 rounding of
+the output.
+Splitting each operand into two bfloat16 halves (16 significant bits) was measured too: the
+query's split cost ~10% of the compute ceiling and halved that error; it is not used.
+
+On CPUs without AVX512-BF16 the same IR computes the same products with float32 multiply-adds
+(widened pairs, odd lane then even lane, as the instruction does), so a kernel compiles and
+gives the same numbers everywhere; only the speed differs. Subnormal products differ: the
+instruction flushes them to zero (they are below 1e-38 and cannot move a softmax-weighted sum).
+"""
+
+import llvmlite.binding as llvm  # type: ignore[import-untyped]
+from llvmlite import ir  # type: ignore[import-untyped]
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from pagekv.kernels.prefetch import emit_prefetch
+
+HAS_AVX512_BF16 = bool(llvm.get_host_cpu_features().get("avx512bf16"))
+LANES = 16  # float32 lanes of one 512-bit register
+PAIRS = 32  # bfloat16 elements of one 512-bit register: one chunk of a row
+
+_F32 = ir.FloatType()
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32X16 = ir.VectorType(_F32, LANES)
+_I16X32 = ir.VectorType(_I16, PAIRS)
+_I32X16 = ir.VectorType(_I32, LANES)
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's ``bfloat`` scalar type: llvmlite.ir has none; its IR is text, so printing it is enough."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_BF16X32 = ir.VectorType(_BFloat(), PAIRS)
+
+
+def _dot_pairs(builder, acc, a, b):
+    """acc[i] + a[2i] * b[2i] + a[2i+1] * b[2i+1] for <32 x i16> bfloat16 bit patterns a, b."""
+    if HAS_AVX512_BF16:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            _F32X16, [_F32X16, _BF16X32, _BF16X32]), "llvm.x86.avx512bf16.dpbf16ps.512")
+        return builder.call(fn, [acc, builder.bitcast(a, _BF16X32), builder.bitcast(b, _BF16X32)])
+    # Portable: widen each half of every pair to float32 (a 16-bit shift) and multiply-add, the odd
+    # element first as the instruction does; the products are exact, so fmul + fadd is enough.
+    def widen(bits, parity):
+        lanes = builder.shuffle_vector(bits, bits, ir.Constant(_I32X16, [2 * i + parity for i in range(LANES)]))
+        wide = builder.shl(builder.zext(lanes, _I32X16), ir.Constant(_I32X16, [16] * LANES))
+        return builder.bitcast(wide, _F32X16)
+
+    for parity in (1, 0):
+        acc = builder.fadd(acc, builder.fmul(widen(a, parity), widen(b, parity)))
+    return acc
+
+
+def _load(builder, address, vector_type):
+    return builder.load(builder.inttoptr(address, vector_type.as_pointer()), align=1)
+
+
+def _merge(builder, x, y, block):
+    """Halve the lane blocks of x and y (each block of ``block`` lanes owned by one dot product)
+    and pack them into one vector: lanes kB..kB+B/2-1 sum x's block k, the next B/2 y's."""
+    half = block // 2
+    low, high = [], []
+    for start in range(0, LANES, block):
+        low += [start + i for i in range(half)] + [LANES + start + i for i in range(half)]
+        high += [start + half + i for i in range(half)] + [LANES + start + half + i for i in range(half)]
+    mask = ir.VectorType(_I32, LANES)
+    return builder.fadd(builder.shuffle_vector(x, y, ir.Constant(mask, low)),
+                        builder.shuffle_vector(x, y, ir.Constant(mask, high)))
+
+
+def _lane_sums(builder, vectors):
+    """The lane sums of up to 16 <16 x float> vectors, as (one vector, lane of each input's sum).
+
+    A tree of merges (two shuffles and an add each) reduces all of them together: 45 instructions
+    for 16 vectors, against ~8 each summed alone.
+    """
+    owners = [[i] * LANES for i in range(len(vectors))]
+    block = LANES
+    while len(vectors) > 1 or block > 1:
+        if len(vectors) == 1:  # fewer inputs than lanes: keep halving one vector against itself
+            vectors, owners = vectors * 2, owners * 2
+        merged, merged_owners = [], []
+        for j in range(0, len(vectors), 2):
+            merged.append(_merge(builder, vectors[j], vectors[j + 1], block))
+            x, y = owners[j], owners[j + 1]
+            lanes = []
+            for start in range(0, LANES, block):
+                lanes += [x[start]] * (block // 2) + [y[start]] * (block // 2)
+            merged_owners.append(lanes)
+        vectors, owners, block = merged, merged_owners, block // 2
+    lane_of = {}
+    for lane, owner in enumerate(owners[0]):
+        lane_of.setdefault(owner, lane)
+    return vectors[0], lane_of
+
+
+def _splat(builder, scalar):
+    """A <16 x float> of one float32 (or float64, narrowed) value."""
+    if scalar.type != _F32:
+        scalar = builder.fptrunc(scalar, _F32)
+    one = builder.insert_element(ir.Constant(_F32X16, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(_F32X16, ir.Undefined), ir.Constant(_I32X16, [0] * LANES))
+
+
+def _zero_accumulators(builder, count):
+    return [cgutils.alloca_once_value(builder, ir.Constant(_F32X16, [0.0] * LANES)) for _ in range(count)]
+
+
+def _prefetch_if(builder, pf_base, offset):
+    """Prefetch pf_base + offset unless pf_base is 0 (no block to prefetch)."""
+    with builder.if_then(builder.icmp_unsigned("!=", pf_base, ir.Constant(pf_base.type, 0))):
+        emit_prefetch(builder, builder.add(pf_base, offset))
+
+
+def _make_qk_tile(rows, tokens):
+    @intrinsic
+    def tile(typingctx, q_base, q_stride, k_base, k_stride, num_chunks, scale, out, out_stride, pf_base):
+        signature = types.void(q_base, q_stride, k_base, k_stride, num_chunks, scale, out, out_stride,
+                               pf_base)
+
+        def codegen(context, builder, sig, args):
+            q_first, q_step, k_first, k_step, count, factor, out_base, out_step, pf = args
+            sums = _zero_accumulators(builder, rows * tokens)
+            with cgutils.for_range(builder, count) as loop:
+                offset = builder.mul(loop.index, ir.Constant(_I64, PAIRS * 2))
+                keys = []
+                for t in range(tokens):
+                    row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), offset)
+                    keys.append(_load(builder, builder.add(k_first, row), _I16X32))
+                    _prefetch_if(builder, pf, row)  # this row's line of the block ahead
+                for r in range(rows):
+                    row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
+                    query = _load(builder, builder.add(q_first, row), _I16X32)
+                    for t, key in enumerate(keys):
+                        s = sums[r * tokens + t]
+                        builder.store(_dot_pairs(builder, builder.load(s), query, key), s)
+            total, lane_of = _lane_sums(builder, [builder.load(s) for s in sums])
+            total = builder.fmul(total, _splat(builder, factor))
+            for r in range(rows):
+                address = builder.add(out_base, builder.mul(out_step, ir.Constant(_I64, r)))
+                pointer = builder.inttoptr(address, _F32.as_pointer())
+                for t in range(tokens):
+                    value = builder.extract_element(total, ir.Constant(_I32, lane_of[r * tokens + t]))
+                    builder.store(value, builder.gep(pointer, [ir.Constant(_I64, t)]), align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    tile.__doc__ = (f"Scores of {rows} query rows against {tokens} consecutive key rows (bfloat16 bits, "
+                    "head_dim = 32 * num_chunks), times scale: out + r * out_stride holds row r's.")
+    return tile
+
+
+qk_4x4 = _make_qk_tile(4, 4)
+qk_4x1 = _make_qk_tile(4, 1)
+qk_1x4 = _make_qk_tile(1, 4)
+qk_1x1 = _make_qk_tile(1, 1)
+
+
+def _make_pv_tile(rows):
+    @intrinsic
+    def tile(typingctx, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
+             num_chunks, pf_base):
+        signature = types.void(acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
+                               num_chunks, pf_base)
+
+        def codegen(context, builder, sig, args):
+            acc_first, acc_step, v_first, v_step, p_first, p_step, n, count, pf = args
+            sums = _zero_accumulators(builder, 2 * rows)
+            num_pairs = builder.lshr(n, ir.Constant(_I64, 1))
+            interleave_low = ir.Constant(ir.VectorType(_I32, PAIRS),
+                                         [i // 2 + (PAIRS if i % 2 else 0) for i in range(PAIRS)])
+            interleave_high = ir.Constant(ir.VectorType(_I32, PAIRS),
+                                          [LANES + i // 2 + (PAIRS if i % 2 else 0) for i in range(PAIRS)])
+
+            def acc_address(r, half, offset):
+                base = builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r)))
+                return builder.inttoptr(builder.add(builder.add(base, builder.mul(offset, ir.Constant(_I64, 2))),
+                                                    ir.Constant(_I64, half * LANES * 4)),
+                                        _F32X16.as_pointer())
+
+            def accumulate(v0, v1, pair):
+                pairs_low = builder.shuffle_vector(v0, v1, interleave_low)
+                pairs_high = builder.shuffle_vector(v0, v1, interleave_high)
+                for r in range(rows):
+                    p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
+                                        builder.mul(pair, ir.Constant(_I64, 4)))
+                    word = builder.load(builder.inttoptr(builder.add(p_first, p_row), _I32.as_pointer()))
+                    probs = builder.bitcast(builder.shuffle_vector(
+                        builder.insert_element(ir.Constant(_I32X16, ir.Undefined), word, ir.Constant(_I32, 0)),
+                        ir.Constant(_I32X16, ir.Undefined), ir.Constant(_I32X16, [0] * LANES)), _I16X32)
+                    for half, pairs in enumerate((pairs_low, pairs_high)):
+                        s = sums[2 * r + half]
+                        builder.store(_dot_pairs(builder, builder.load(s), pairs, probs), s)
+
+            with cgutils.for_range(builder, count) as chunk:
+                offset = builder.mul(chunk.index, ir.Constant(_I64, PAIRS * 2))
+                for r in range(rows):
+                    for half in range(2):
+                        builder.store(builder.load(acc_address(r, half, offset), align=4), sums[2 * r + half])
+                with cgutils.for_range(builder, num_pairs) as loop:
+                    row0 = builder.add(builder.mul(v_step, builder.mul(loop.index, ir.Constant(_I64, 2))), offset)
+                    row1 = builder.add(row0, v_step)
+                    for row in (row0, row1):
+                        _prefetch_if(builder, pf, row)
+                    accumulate(_load(builder, builder.add(v_first, row0), _I16X32),
+                               _load(builder, builder.add(v_first, row1), _I16X32), loop.index)
+                odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
+                with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
+                    row0 = builder.add(builder.mul(v_step, builder.sub(n, ir.Constant(_I64, 1))), offset)
+                    _prefetch_if(builder, pf, row0)
+                    accumulate(_load(builder, builder.add(v_first, row0), _I16X32),
+                               ir.Constant(_I16X32, [0] * PAIRS), num_pairs)
+                for r in range(rows):
+                    for half in range(2):
+                        builder.store(builder.load(sums[2 * r + half]), acc_address(r, half, offset), align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    tile.__doc__ = (f"acc[r] += sum over t < num_tokens of p[r, t] * v[t] for {rows} rows: bfloat16 "
+                    "value rows, float32 accumulators, probabilities packed as bfloat16 pairs.")
+    return tile
+
+
+pv_4 = _make_pv_tile(4)
+pv_1 = _make_pv_tile(1)
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The bit pattern of a float32, as uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(types.float32), codegen
+
+
+_JIT = dict(cache=True, error_model="numpy", nogil=True)
+
+
+@njit(inline="always", **_JIT)
+def to_bf16(x):
+    """bfloat16 bits of float32 x, rounded to nearest even (x finite)."""
+    b = _f32_bits(x)
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(**_JIT)
+def round_rows(x, r0, num_rows, bits):
+    """bits[r] = x[r] rounded to bfloat16 for rows r0 .. r0 + num_rows - 1.
+
+    x : float32 [rows, head_dim]; bits : uint16 [rows, head_dim].
+    """
+    for r in range(r0, r0 + num_rows):
+        for d in range(x.shape[1]):
+            bits[r, d] = to_bf16(x[r, d])
+
+
+@njit(**_JIT)
+def pack_pairs(p, r0, num_rows, num_cols, packed):
+    """Pack probabilities two tokens to a word for the value tiles: packed[r, j] holds p[r, 2j]
+    (low 16 bits) and p[r, 2j + 1] (high 16 bits) rounded to bfloat16; a column past num_cols
+    counts as 0.
+
+    p : float32 [rows, >= num_cols]; packed : uint32 [rows, >= (num_cols + 1) // 2].
+    """
+    for r in range(r0, r0 + num_rows):
+        for j in range(num_cols // 2):
+            packed[r, j] = np.uint32(to_bf16(p[r, 2 * j])) | (np.uint32(to_bf16(p[r, 2 * j + 1])) << np.uint32(16))
+        if num_cols % 2:
+            packed[r, num_cols // 2] = np.uint32(to_bf16(p[r, num_cols - 1]))

@@ -1,0 +1,153 @@
+"""The bfloat16 dot-product tiles (pagekv.kernels._bf16_dot) against float64 on exact inputs.
+
+The tiles multiply bfloat16 numbers exactly and sum in float32, so on bfloat16 inputs they must
+match float64 to float32 summation error: any wrong lane, pair or row shows up as a large error.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from numba import njit
+
+from kv_builders import to_storage, widen
+from pagekv import attention
+from pagekv.kernels import _bf16_dot as bf16
+
+QK_TILES = {(4, 4): bf16.qk_4x4, (4, 1): bf16.qk_4x1, (1, 4): bf16.qk_1x4, (1, 1): bf16.qk_1x1}
+PV_TILES = {4: bf16.pv_4, 1: bf16.pv_1}
+STALE = 0x7FC0  # a bfloat16 NaN: what a page's unused rows may hold
+
+
+def _scores_harness():
+    """A fresh (uncached) function that runs one query-key tile: compiled on its first call, so
+    it takes whatever code generation the tiles choose at that moment."""
+    def run(rows, tokens, q, k, scale, out, pf):
+        args = (q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1] // 32, scale,
+                out.ctypes.data, out.strides[0], pf)
+        if rows == 4 and tokens == 4:
+            bf16.qk_4x4(*args)
+        elif rows == 4:
+            bf16.qk_4x1(*args)
+        elif tokens == 4:
+            bf16.qk_1x4(*args)
+        else:
+            bf16.qk_1x1(*args)
+    return njit(run)
+
+
+def _values_harness():
+    def run(rows, acc, v, packed, num_tokens, pf):
+        args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], packed.ctypes.data,
+                packed.strides[0], num_tokens, v.shape[1] // 32, pf)
+        if rows == 4:
+            bf16.pv_4(*args)
+        else:
+            bf16.pv_1(*args)
+    return njit(run)
+
+
+_SCORES = _scores_harness()
+_VALUES = _values_harness()
+
+
+@njit
+def _pack(p, num_cols, packed):
+    bf16.pack_pairs(p, 0, p.shape[0], num_cols, packed)
+
+
+def _bf16(rng, shape):
+    return to_storage(rng.standard_normal(shape), "bfloat16")
+
+
+@given(st.sampled_from(list(QK_TILES)), st.sampled_from([32, 64, 96, 128, 256]),
+       st.floats(0.01, 2.0), st.integers(0, 2**16), st.booleans())
+def test_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
+    rows, tokens = tile
+    rng = np.random.default_rng(seed)
+    q, k = _bf16(rng, (rows, head_dim)), _bf16(rng, (tokens, head_dim))
+    out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
+    _SCORES(rows, tokens, q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
+    np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
+    assert np.isnan(out[:, tokens:]).all()
+
+
+@given(st.sampled_from(list(PV_TILES)), st.sampled_from([32, 64, 128, 256]), st.integers(1, 16),
+       st.integers(0, 2**16))
+def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
+    """acc += p @ v over num_tokens rows of a 16-row page whose other rows hold NaN; an odd last
+    token is taken alone (its partner row is never multiplied, even by a zero)."""
+    rng = np.random.default_rng(seed)
+    v = _bf16(rng, (16, head_dim))
+    v[num_tokens:] = STALE
+    p = rng.random((rows, 16)).astype(np.float32)
+    packed = np.zeros((rows, 9), np.uint32)
+    _pack(p, num_tokens, packed)
+    acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
+    rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
+    expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
+    _VALUES(rows, acc, v, packed, num_tokens, v.ctypes.data)
+    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
+
+
+@given(st.lists(st.floats(-2.0**100, 2.0**100, width=32), min_size=1, max_size=40))
+def test_rounding_and_packing_match_round_to_nearest_even(values):
+    p = np.array([values], np.float32)
+    packed = np.full((1, 21), 0xDEADBEEF, np.uint32)
+    _pack(p, p.shape[1], packed)
+    expected = to_storage(p, "bfloat16")[0]
+    halves = packed[0, :(p.shape[1] + 1) // 2].view(np.uint16)  # little-endian: low half first
+    np.testing.assert_array_equal(halves[:p.shape[1]], expected)
+    if p.shape[1] % 2:
+        assert halves[p.shape[1]] == 0  # the missing partner of an odd last column is 0
+
+
+def test_portable_code_gives_the_instructions_results(monkeypatch):
+    """Compiled for a CPU without AVX512-BF16, the tiles must give the same results, so a kernel
+    behaves alike everywhere (subnormals aside). Skipped where the instruction is missing: then
+    the portable code is all there is, and the other tests check it against float64."""
+    if not bf16.HAS_AVX512_BF16:
+        pytest.skip("this CPU has no AVX512-BF16")
+    rng = np.random.default_rng(5)
+    q, k = _bf16(rng, (4, 128)), _bf16(rng, (4, 128))
+    v = _bf16(rng, (16, 128))
+    packed = np.zeros((4, 9), np.uint32)
+    _pack(rng.random((4, 16)).astype(np.float32), 15, packed)
+    acc0 = rng.standard_normal((4, 128)).astype(np.float32)
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(bf16, "HAS_AVX512_BF16", native)
+        scores, values = _scores_harness(), _values_harness()  # compiled now, with this choice
+        out, acc = np.zeros((4, 4), np.float32), acc0.copy()
+        scores(4, 4, q, k, np.float32(0.125), out, 0)
+        values(4, acc, v, packed, 15, 0)
+        results.append((out, acc))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_fast_bf16_must_be_a_bool():
+    rng = np.random.default_rng(0)
+    cache = _bf16(rng, (2, 1, 16, 64))
+    q = np.ones((1, 1, 64), np.float32)
+    table, lens = np.array([[1]], np.int32), np.array([5], np.int32)
+    with pytest.raises(ValueError, match="expected fast_bf16 a bool, got 'yes'"):
+        attention.paged_decode_attention(q, cache, cache, table, lens, fast_bf16="yes")
+    with pytest.raises(ValueError, match="expected fast_bf16 a bool, got 1"):
+        attention.paged_prefill_attention(q, cache, cache, table, lens, np.array([0, 1], np.int32),
+                                          fast_bf16=1)
+
+
+def test_fast_bf16_keeps_a_bfloat16_query_exact():
+    """A bfloat16 query is not rounded (the scale multiplies the sums), so scores and lse match
+    the float32 path's to float32 rounding; only the output carries the probabilities' rounding."""
+    rng = np.random.default_rng(9)
+    k, v = _bf16(rng, (8, 2, 16, 128)), _bf16(rng, (8, 2, 16, 128))
+    q = widen(_bf16(rng, (2, 8, 128)), "bfloat16").astype(np.float32)  # bfloat16 values
+    table, lens = rng.permutation(8).astype(np.int32).reshape(2, 4), np.array([64, 37], np.int32)
+    fast, fast_lse = attention.paged_decode_attention(q, k, v, table, lens, return_lse=True)
+    exact, exact_lse = attention.paged_decode_attention(q, k, v, table, lens, return_lse=True,
+                                                        fast_bf16=False)
+    np.testing.assert_allclose(fast_lse, exact_lse, rtol=1e-6, atol=1e-6)
+    assert 0 < np.abs(fast - exact).max() <= 5e-3 * np.abs(exact).max()
