@@ -103,9 +103,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     roof, roof_bytes = streaming_read()
-    print("| op | shape | KV | page | paged GB/s | % of roof | paged ÷ contiguous | "
+    print("| op | shape | KV | page | roof GB/s | paged GB/s | % of roof | paged ÷ contiguous | "
           "paged, no prefetch ÷ contiguous | from cache, % of roof |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for op, shapes in (("decode", ("S1", "S3")), ("prefill", ("S1",))):
         for shape in shapes:
             for kind in ("float32", "bfloat16"):
@@ -118,7 +118,8 @@ def main():
                     share = nbytes / paged / roof_gbs
                     cached = (f"{100 * nbytes / median['from cache'] / roof_gbs:.0f}%"
                               if "from cache" in median else "—")
-                    print(f"| {op} | {shape} | {kind} | {page_size} | {nbytes / paged / 1e9:.1f} | "
+                    print(f"| {op} | {shape} | {kind} | {page_size} | {roof_gbs / 1e9:.1f} | "
+                          f"{nbytes / paged / 1e9:.1f} | "
                           f"{100 * share:.0f}% | {paged / base:.2f} | "
                           f"{median['paged, no prefetch'] / base:.2f} | {cached} |", flush=True)
     memory_floor(args.rounds)

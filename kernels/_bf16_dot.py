@@ -28,9 +28,11 @@ gives the same numbers everywhere; only the speed differs. Subnormal products di
 instruction flushes them to zero (they are below 1e-38 and cannot move a softmax-weighted sum).
 """
 
+from typing import Any
+
 import llvmlite.binding as llvm  # type: ignore[import-untyped]
-from llvmlite import ir  # type: ignore[import-untyped]
 import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -272,7 +274,7 @@ def _f32_bits(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
-_JIT = dict(cache=True, error_model="numpy", nogil=True)
+_JIT: dict[str, Any] = dict(cache=True, error_model="numpy", nogil=True)
 
 
 @njit(inline="always", **_JIT)
