@@ -171,12 +171,12 @@ def _make_qk_tile(rows, tokens):
                         builder.store(_dot_pairs(builder, builder.load(s), query, key), s)
             total, lane_of = _lane_sums(builder, [builder.load(s) for s in sums])
             total = builder.fmul(total, _splat(builder, factor))
-            for r in range(rows):
+            row_type = ir.VectorType(_F32, tokens)
+            for r in range(rows):  # one shuffle and one store per row, not one per score
                 address = builder.add(out_base, builder.mul(out_step, ir.Constant(_I64, r)))
-                pointer = builder.inttoptr(address, _F32.as_pointer())
-                for t in range(tokens):
-                    value = builder.extract_element(total, ir.Constant(_I32, lane_of[r * tokens + t]))
-                    builder.store(value, builder.gep(pointer, [ir.Constant(_I64, t)]), align=4)
+                lanes = ir.Constant(ir.VectorType(_I32, tokens), [lane_of[r * tokens + t] for t in range(tokens)])
+                row = builder.shuffle_vector(total, ir.Constant(_F32X16, ir.Undefined), lanes)
+                builder.store(row, builder.inttoptr(address, row_type.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return signature, codegen
