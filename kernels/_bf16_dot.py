@@ -147,28 +147,50 @@ def _prefetch_if(builder, pf_base, offset):
         emit_prefetch(builder, builder.add(pf_base, offset))
 
 
+def _load_bf16(builder, address, width):
+    """``width`` (32 or 16) bfloat16 bits at address as a <32 x i16>, zeros above a 16-wide load."""
+    if width == PAIRS:
+        return _load(builder, address, _I16X32)
+    half = _load(builder, address, ir.VectorType(_I16, LANES))
+    return builder.shuffle_vector(half, ir.Constant(ir.VectorType(_I16, LANES), [0] * LANES),
+                                  ir.Constant(ir.VectorType(_I32, PAIRS), list(range(PAIRS))))
+
+
+def _over_head_dim(builder, head_dim, step):
+    """Call step(byte offset, width) for each 32-element chunk of a bfloat16 row of head_dim
+    elements, then once with width 16 if head_dim % 32 == 16 (head_dim 80, 112)."""
+    chunks = builder.lshr(head_dim, ir.Constant(_I64, 5))
+    with cgutils.for_range(builder, chunks) as loop:
+        step(builder.mul(loop.index, ir.Constant(_I64, PAIRS * 2)), PAIRS)
+    tail = builder.icmp_unsigned("!=", builder.and_(head_dim, ir.Constant(_I64, LANES)), ir.Constant(_I64, 0))
+    with builder.if_then(tail):
+        step(builder.mul(chunks, ir.Constant(_I64, PAIRS * 2)), LANES)
+
+
 def _make_qk_tile(rows, tokens):
     @intrinsic
-    def tile(typingctx, q_base, q_stride, k_base, k_stride, num_chunks, scale, out, out_stride, pf_base):
-        signature = types.void(q_base, q_stride, k_base, k_stride, num_chunks, scale, out, out_stride,
+    def tile(typingctx, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride, pf_base):
+        signature = types.void(q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
                                pf_base)
 
         def codegen(context, builder, sig, args):
-            q_first, q_step, k_first, k_step, count, factor, out_base, out_step, pf = args
+            q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, pf = args
             sums = _zero_accumulators(builder, rows * tokens)
-            with cgutils.for_range(builder, count) as loop:
-                offset = builder.mul(loop.index, ir.Constant(_I64, PAIRS * 2))
+
+            def multiply(offset, width):
                 keys = []
                 for t in range(tokens):
                     row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), offset)
-                    keys.append(_load(builder, builder.add(k_first, row), _I16X32))
+                    keys.append(_load_bf16(builder, builder.add(k_first, row), width))
                     _prefetch_if(builder, pf, row)  # this row's line of the block ahead
                 for r in range(rows):
                     row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
-                    query = _load(builder, builder.add(q_first, row), _I16X32)
+                    query = _load_bf16(builder, builder.add(q_first, row), width)
                     for t, key in enumerate(keys):
                         s = sums[r * tokens + t]
                         builder.store(_dot_pairs(builder, builder.load(s), query, key), s)
+
+            _over_head_dim(builder, dims, multiply)
             total, lane_of = _lane_sums(builder, [builder.load(s) for s in sums])
             total = builder.fmul(total, _splat(builder, factor))
             row_type = ir.VectorType(_F32, tokens)
@@ -182,7 +204,7 @@ def _make_qk_tile(rows, tokens):
         return signature, codegen
 
     tile.__doc__ = (f"Scores of {rows} query rows against {tokens} consecutive key rows (bfloat16 bits, "
-                    "head_dim = 32 * num_chunks), times scale: out + r * out_stride holds row r's.")
+                    "head_dim a multiple of 16), times scale: out + r * out_stride holds row r's.")
     return tile
 
 
@@ -192,31 +214,36 @@ qk_1x4 = _make_qk_tile(1, 4)
 qk_1x1 = _make_qk_tile(1, 1)
 
 
+def _interleave(builder, v0, v1, width):
+    """Rows t and t + 1 (``width`` bfloat16 each) as width / 16 <32 x i16> vectors of pairs
+    (v0[d], v1[d]): one float32 lane per d under vdpbf16ps."""
+    masks = [[h * LANES + i // 2 + (width if i % 2 else 0) for i in range(PAIRS)]
+             for h in range(width // LANES)]
+    return [builder.shuffle_vector(v0, v1, ir.Constant(ir.VectorType(_I32, PAIRS), mask)) for mask in masks]
+
+
 def _make_pv_tile(rows):
     @intrinsic
     def tile(typingctx, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
-             num_chunks, pf_base):
+             head_dim, pf_base):
         signature = types.void(acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
-                               num_chunks, pf_base)
+                               head_dim, pf_base)
 
         def codegen(context, builder, sig, args):
-            acc_first, acc_step, v_first, v_step, p_first, p_step, n, count, pf = args
+            acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf = args
             sums = _zero_accumulators(builder, 2 * rows)
             num_pairs = builder.lshr(n, ir.Constant(_I64, 1))
-            interleave_low = ir.Constant(ir.VectorType(_I32, PAIRS),
-                                         [i // 2 + (PAIRS if i % 2 else 0) for i in range(PAIRS)])
-            interleave_high = ir.Constant(ir.VectorType(_I32, PAIRS),
-                                          [LANES + i // 2 + (PAIRS if i % 2 else 0) for i in range(PAIRS)])
 
-            def acc_address(r, half, offset):
+            def acc_pointer(r, half, offset):  # offset: bytes into a bfloat16 row
                 base = builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r)))
-                return builder.inttoptr(builder.add(builder.add(base, builder.mul(offset, ir.Constant(_I64, 2))),
-                                                    ir.Constant(_I64, half * LANES * 4)),
-                                        _F32X16.as_pointer())
+                address = builder.add(builder.add(base, builder.mul(offset, ir.Constant(_I64, 2))),
+                                      ir.Constant(_I64, half * LANES * 4))
+                return builder.inttoptr(address, _F32X16.as_pointer())
 
-            def accumulate(v0, v1, pair):
-                pairs_low = builder.shuffle_vector(v0, v1, interleave_low)
-                pairs_high = builder.shuffle_vector(v0, v1, interleave_high)
+            def load_row(row, width):
+                return _load(builder, builder.add(v_first, row), ir.VectorType(_I16, width))
+
+            def accumulate(pair_vectors, pair):
                 for r in range(rows):
                     p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
                                         builder.mul(pair, ir.Constant(_I64, 4)))
@@ -224,37 +251,40 @@ def _make_pv_tile(rows):
                     probs = builder.bitcast(builder.shuffle_vector(
                         builder.insert_element(ir.Constant(_I32X16, ir.Undefined), word, ir.Constant(_I32, 0)),
                         ir.Constant(_I32X16, ir.Undefined), ir.Constant(_I32X16, [0] * LANES)), _I16X32)
-                    for half, pairs in enumerate((pairs_low, pairs_high)):
+                    for half, pairs in enumerate(pair_vectors):
                         s = sums[2 * r + half]
                         builder.store(_dot_pairs(builder, builder.load(s), pairs, probs), s)
 
-            with cgutils.for_range(builder, count) as chunk:
-                offset = builder.mul(chunk.index, ir.Constant(_I64, PAIRS * 2))
+            def values(offset, width):
+                halves = width // LANES
                 for r in range(rows):
-                    for half in range(2):
-                        builder.store(builder.load(acc_address(r, half, offset), align=4), sums[2 * r + half])
+                    for half in range(halves):
+                        builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
                 with cgutils.for_range(builder, num_pairs) as loop:
                     row0 = builder.add(builder.mul(v_step, builder.mul(loop.index, ir.Constant(_I64, 2))), offset)
                     row1 = builder.add(row0, v_step)
                     for row in (row0, row1):
                         _prefetch_if(builder, pf, row)
-                    accumulate(_load(builder, builder.add(v_first, row0), _I16X32),
-                               _load(builder, builder.add(v_first, row1), _I16X32), loop.index)
+                    accumulate(_interleave(builder, load_row(row0, width), load_row(row1, width), width),
+                               loop.index)
                 odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
                 with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
                     row0 = builder.add(builder.mul(v_step, builder.sub(n, ir.Constant(_I64, 1))), offset)
                     _prefetch_if(builder, pf, row0)
-                    accumulate(_load(builder, builder.add(v_first, row0), _I16X32),
-                               ir.Constant(_I16X32, [0] * PAIRS), num_pairs)
+                    zeros = ir.Constant(ir.VectorType(_I16, width), [0] * width)
+                    accumulate(_interleave(builder, load_row(row0, width), zeros, width), num_pairs)
                 for r in range(rows):
-                    for half in range(2):
-                        builder.store(builder.load(sums[2 * r + half]), acc_address(r, half, offset), align=4)
+                    for half in range(halves):
+                        builder.store(builder.load(sums[2 * r + half]), acc_pointer(r, half, offset), align=4)
+
+            _over_head_dim(builder, dims, values)
             return context.get_dummy_value()
 
         return signature, codegen
 
     tile.__doc__ = (f"acc[r] += sum over t < num_tokens of p[r, t] * v[t] for {rows} rows: bfloat16 "
-                    "value rows, float32 accumulators, probabilities packed as bfloat16 pairs.")
+                    "value rows (head_dim a multiple of 16), float32 accumulators, probabilities "
+                    "packed as bfloat16 pairs.")
     return tile
 
 

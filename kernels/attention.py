@@ -20,7 +20,7 @@ How the work is shaped:
 - While a block (one page of one KV head) is read, the block a fixed distance ahead in the item's
   visit order is prefetched into L2, a few lines per token row (kernels/prefetch.py says why: it
   took S1 decode from ~50% to ~80% of the streaming-read bandwidth).
-- bfloat16 pages (head_dim a multiple of 32, even page size) multiply in bfloat16 with
+- bfloat16 pages (head_dim a multiple of 16, even page size) multiply in bfloat16 with
   ``vdpbf16ps`` tiles (kernels/_bf16_dot.py): the queries and the probabilities are rounded to
   bfloat16 once, the sums stay float32. In float32 math the bfloat16 loops were bound by the
   CPU's multiply-adds below the memory roof; the tiles made S1 decode ~1.6x faster from cache.
@@ -186,14 +186,14 @@ def _address(cache, page, head):
 @njit(inline="always", **_JIT)
 def _page_scores_bf16(q_bits, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, pf_cache,
                       pf_page, pf_head):
-    """:func:`_page_scores` for bfloat16 pages (head_dim a multiple of 32) by vdpbf16ps tiles.
+    """:func:`_page_scores` for bfloat16 pages (head_dim a multiple of 16) by vdpbf16ps tiles.
 
     q_bits : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled: the scores
     are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the page's last
     num_tokens % 4 keys and the rows left over take narrower tiles. Each key row's line of the
     block ahead is prefetched by the first row tile.
     """
-    chunks = kc.shape[3] // bf16.PAIRS
+    head_dim = kc.shape[3]
     k_row, q_row, s_row = kc.strides[2], q_bits.strides[0], scores.strides[0]
     block = _address(kc, kp, kh)
     ahead = _address(pf_cache, pf_page, pf_head)
@@ -207,29 +207,29 @@ def _page_scores_bf16(q_bits, r0, num_rows, kc, kp, kh, num_tokens, scale, score
             k_t, out_t = block + t * k_row, out + t * 4
             if t + 4 <= num_tokens:
                 if four_rows:
-                    bf16.qk_4x4(q, q_row, k_t, k_row, chunks, scale, out_t, s_row, pf)
+                    bf16.qk_4x4(q, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf)
                 else:
-                    bf16.qk_1x4(q, q_row, k_t, k_row, chunks, scale, out_t, s_row, pf)
+                    bf16.qk_1x4(q, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf)
                 continue
             for u in range(t, num_tokens):
                 pf_u = pf + (u - t) * k_row if pf != 0 else 0
                 k_u, out_u = block + u * k_row, out + u * 4
                 if four_rows:
-                    bf16.qk_4x1(q, q_row, k_u, k_row, chunks, scale, out_u, s_row, pf_u)
+                    bf16.qk_4x1(q, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u)
                 else:
-                    bf16.qk_1x1(q, q_row, k_u, k_row, chunks, scale, out_u, s_row, pf_u)
+                    bf16.qk_1x1(q, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u)
         r += 4 if four_rows else 1
 
 
 @njit(inline="always", **_JIT)
 def _page_accumulate_bf16(packed, r0, num_rows, col, vc, vp, vh, num_tokens, acc, pf_cache, pf_page,
                           pf_head):
-    """:func:`_page_accumulate` for bfloat16 pages (head_dim a multiple of 32, col even) by
+    """:func:`_page_accumulate` for bfloat16 pages (head_dim a multiple of 16, col even) by
     vdpbf16ps tiles of 4 accumulator rows (1 for rows left over), two tokens per instruction.
 
     packed : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`.
     """
-    chunks = vc.shape[3] // bf16.PAIRS
+    head_dim = vc.shape[3]
     block = _address(vc, vp, vh)
     ahead = _address(pf_cache, pf_page, pf_head)
     a_row, p_row = acc.strides[0], packed.strides[0]
@@ -238,10 +238,10 @@ def _page_accumulate_bf16(packed, r0, num_rows, col, vc, vp, vh, num_tokens, acc
         pf = ahead if r == r0 else 0
         a, p = acc.ctypes.data + r * a_row, packed.ctypes.data + r * p_row + (col // 2) * 4
         if r + 4 <= r0 + num_rows:
-            bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, chunks, pf)
+            bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
             r += 4
         else:
-            bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, chunks, pf)
+            bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
             r += 1
 
 
@@ -351,9 +351,9 @@ def _dot_scratch(rows, cols, head_dim, dot_products):
 
 @njit(inline="always", **_JIT)
 def _takes_dot_products(k_cache, kv_format, allowed):
-    """Whether the vdpbf16ps path applies: bfloat16 pages, head_dim a multiple of 32, and an even
+    """Whether the vdpbf16ps path applies: bfloat16 pages, head_dim a multiple of 16, and an even
     page size (so every page starts on a packed probability pair)."""
-    return (allowed and kv_format == FORMAT_BFLOAT16 and k_cache.shape[3] % bf16.PAIRS == 0
+    return (allowed and kv_format == FORMAT_BFLOAT16 and k_cache.shape[3] % bf16.LANES == 0
             and k_cache.shape[2] % 2 == 0)
 
 

@@ -245,7 +245,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         blocks of one page and KV head; ``False`` or 0: off). On by default: it took the decode
         benchmarks from ~50% to ~80% of the streaming-read bandwidth (README). Results do not depend on it.
     fast_bf16 : bool
-        bfloat16 caches with head_dim a multiple of 32 and an even page_size: multiply in
+        bfloat16 caches with head_dim a multiple of 16 and an even page_size: multiply in
         bfloat16 (AVX512-BF16 ``vdpbf16ps``; float32 math on CPUs without it, same results). The
         query and the softmax probabilities are rounded to bfloat16 once — a bfloat16 query stays
         exact — and every sum is float32, as FlashAttention does on GPUs: outputs move by about

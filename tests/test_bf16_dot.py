@@ -23,7 +23,7 @@ def _scores_harness():
     """A fresh (uncached) function that runs one query-key tile: compiled on its first call, so
     it takes whatever code generation the tiles choose at that moment."""
     def run(rows, tokens, q, k, scale, out, pf):
-        args = (q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1] // 32, scale,
+        args = (q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1], scale,
                 out.ctypes.data, out.strides[0], pf)
         if rows == 4 and tokens == 4:
             bf16.qk_4x4(*args)
@@ -39,7 +39,7 @@ def _scores_harness():
 def _values_harness():
     def run(rows, acc, v, packed, num_tokens, pf):
         args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], packed.ctypes.data,
-                packed.strides[0], num_tokens, v.shape[1] // 32, pf)
+                packed.strides[0], num_tokens, v.shape[1], pf)
         if rows == 4:
             bf16.pv_4(*args)
         else:
@@ -60,12 +60,20 @@ def _bf16(rng, shape):
     return to_storage(rng.standard_normal(shape), "bfloat16")
 
 
-@given(st.sampled_from(list(QK_TILES)), st.sampled_from([32, 64, 96, 128, 256]),
+def _padded_rows(rng, num_rows, head_dim):
+    """Rows of bfloat16 values 16 elements apart from each other, the gaps NaN: a tile that reads
+    past a row's head_dim elements (the 16-wide tail of head_dim 80, say) turns its result NaN."""
+    rows = _bf16(rng, (num_rows, head_dim + 16))
+    rows[:, head_dim:] = STALE
+    return rows[:, :head_dim]
+
+
+@given(st.sampled_from(list(QK_TILES)), st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]),
        st.floats(0.01, 2.0), st.integers(0, 2**16), st.booleans())
 def test_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
     rows, tokens = tile
     rng = np.random.default_rng(seed)
-    q, k = _bf16(rng, (rows, head_dim)), _bf16(rng, (tokens, head_dim))
+    q, k = _bf16(rng, (rows, head_dim)), _padded_rows(rng, tokens, head_dim)
     out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
     _SCORES(rows, tokens, q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
@@ -73,13 +81,14 @@ def test_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
     assert np.isnan(out[:, tokens:]).all()
 
 
-@given(st.sampled_from(list(PV_TILES)), st.sampled_from([32, 64, 128, 256]), st.integers(1, 16),
+@given(st.sampled_from(list(PV_TILES)), st.sampled_from([16, 48, 64, 80, 128, 256]), st.integers(1, 16),
        st.integers(0, 2**16))
 def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
-    """acc += p @ v over num_tokens rows of a 16-row page whose other rows hold NaN; an odd last
-    token is taken alone (its partner row is never multiplied, even by a zero)."""
+    """acc += p @ v over num_tokens rows of a 16-row page whose other rows (and the gaps after
+    each row) hold NaN; an odd last token is taken alone (its partner row is never multiplied,
+    even by a zero)."""
     rng = np.random.default_rng(seed)
-    v = _bf16(rng, (16, head_dim))
+    v = _padded_rows(rng, 16, head_dim)
     v[num_tokens:] = STALE
     p = rng.random((rows, 16)).astype(np.float32)
     packed = np.zeros((rows, 9), np.uint32)
