@@ -13,14 +13,16 @@ emits it, so the two inner loops are written here as IR:
   the rows of tokens t and t + 1 are interleaved so each bfloat16 pair is (v[t, d], v[t + 1, d]),
   and the probabilities arrive packed as (p[t], p[t + 1]) pairs.
 
+Rows are taken 32 elements (one 512-bit register) at a time, and a last 16 zero-extended when
+head_dim % 32 == 16 (80, 112): head_dim must be a multiple of 16.
+
 What is rounded: the products of two bfloat16 numbers are exact in float32 and the sums are
 float32, so only what is fed in is rounded — the query (exact when the model's query is bfloat16,
 as the scale is applied to the sums, not to the query) and the softmax probabilities, each once to
 bfloat16, as FlashAttention does on GPUs. Measured on the benchmark shapes with float32 queries:
 outputs within 3e-3 of float64 (relative to the largest output), about one bfloat16 rounding of
-the output.
-Splitting each operand into two bfloat16 halves (16 significant bits) was measured too: the
-query's split cost ~10% of the compute ceiling and halved that error; it is not used.
+the output. Splitting each operand into two bfloat16 halves (16 significant bits) was measured
+too: the query's split cost ~10% of the compute ceiling and halved that error; it is not used.
 
 On CPUs without AVX512-BF16 the same IR computes the same products with float32 multiply-adds
 (widened pairs, odd lane then even lane, as the instruction does), so a kernel compiles and
