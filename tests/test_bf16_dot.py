@@ -81,12 +81,13 @@ def test_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
     assert np.isnan(out[:, tokens:]).all()
 
 
-@given(st.sampled_from(list(PV_TILES)), st.sampled_from([16, 48, 64, 80, 128, 256]), st.integers(1, 16),
+@given(st.sampled_from(list(PV_TILES)), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
+       st.integers(1, 16),
        st.integers(0, 2**16))
 def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
     """acc += p @ v over num_tokens rows of a 16-row page whose other rows (and the gaps after
     each row) hold NaN; an odd last token is taken alone (its partner row is never multiplied,
-    even by a zero)."""
+    even by a zero). head_dim past 256 takes the one-row tile's other walk (chunks outer)."""
     rng = np.random.default_rng(seed)
     v = _padded_rows(rng, 16, head_dim)
     v[num_tokens:] = STALE
