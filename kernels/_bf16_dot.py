@@ -93,6 +93,14 @@ def _load(builder, address, vector_type):
     return builder.load(builder.inttoptr(address, vector_type.as_pointer()), align=1)
 
 
+def _broadcast_pair(builder, address):
+    """The packed probability pair (32 bits) at address in every lane pair of a <32 x i16>."""
+    word = builder.load(builder.inttoptr(address, _I32.as_pointer()))
+    one = builder.insert_element(ir.Constant(_I32X16, ir.Undefined), word, ir.Constant(_I32, 0))
+    every = builder.shuffle_vector(one, ir.Constant(_I32X16, ir.Undefined), ir.Constant(_I32X16, [0] * LANES))
+    return builder.bitcast(every, _I16X32)
+
+
 def _merge(builder, x, y, block):
     """Halve the lane blocks of x and y (each block of ``block`` lanes owned by one dot product)
     and pack them into one vector: lanes kB..kB+B/2-1 sum x's block k, the next B/2 y's."""
@@ -250,10 +258,7 @@ def _make_pv_tile(rows):
                 for r in range(rows):
                     p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
                                         builder.mul(pair, ir.Constant(_I64, 4)))
-                    word = builder.load(builder.inttoptr(builder.add(p_first, p_row), _I32.as_pointer()))
-                    probs = builder.bitcast(builder.shuffle_vector(
-                        builder.insert_element(ir.Constant(_I32X16, ir.Undefined), word, ir.Constant(_I32, 0)),
-                        ir.Constant(_I32X16, ir.Undefined), ir.Constant(_I32X16, [0] * LANES)), _I16X32)
+                    probs = _broadcast_pair(builder, builder.add(p_first, p_row))
                     for half, pairs in enumerate(pair_vectors):
                         s = sums[2 * r + half]
                         builder.store(_dot_pairs(builder, builder.load(s), pairs, probs), s)
@@ -334,11 +339,7 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
             builder.store(builder.load(sums[2 * c + h]), builder.gep(acc, [ir.Constant(_I64, 2 * c + h)]), align=4)
 
     def pair_of_rows(pair, row0, row1):
-        word = builder.load(builder.inttoptr(builder.add(p_first, builder.mul(pair, ir.Constant(_I64, 4))),
-                                             _I32.as_pointer()))
-        probs = builder.bitcast(builder.shuffle_vector(
-            builder.insert_element(ir.Constant(_I32X16, ir.Undefined), word, ir.Constant(_I32, 0)),
-            ir.Constant(_I32X16, ir.Undefined), ir.Constant(_I32X16, [0] * LANES)), _I16X32)
+        probs = _broadcast_pair(builder, builder.add(p_first, builder.mul(pair, ir.Constant(_I64, 4))))
 
         def chunk(c, width):
             offset = ir.Constant(_I64, c * PAIRS * 2)
