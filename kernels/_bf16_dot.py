@@ -80,7 +80,8 @@ def _dot_pairs(builder, acc, a, b):
     # Portable: widen each half of every pair to float32 (a 16-bit shift) and multiply-add, the odd
     # element first as the instruction does; the products are exact, so fmul + fadd is enough.
     def widen(bits, parity):
-        lanes = builder.shuffle_vector(bits, bits, ir.Constant(_I32X16, [2 * i + parity for i in range(LANES)]))
+        every_other = ir.Constant(_I32X16, [2 * i + parity for i in range(LANES)])
+        lanes = builder.shuffle_vector(bits, bits, every_other)
         wide = builder.shl(builder.zext(lanes, _I32X16), ir.Constant(_I32X16, [16] * LANES))
         return builder.bitcast(wide, _F32X16)
 
@@ -207,7 +208,8 @@ def _make_qk_tile(rows, tokens):
             row_type = ir.VectorType(_F32, tokens)
             for r in range(rows):  # one shuffle and one store per row, not one per score
                 address = builder.add(out_base, builder.mul(out_step, ir.Constant(_I64, r)))
-                lanes = ir.Constant(ir.VectorType(_I32, tokens), [lane_of[r * tokens + t] for t in range(tokens)])
+                lanes = ir.Constant(ir.VectorType(_I32, tokens),
+                                    [lane_of[r * tokens + t] for t in range(tokens)])
                 row = builder.shuffle_vector(total, ir.Constant(_F32X16, ir.Undefined), lanes)
                 builder.store(row, builder.inttoptr(address, row_type.as_pointer()), align=4)
             return context.get_dummy_value()
@@ -269,7 +271,8 @@ def _make_pv_tile(rows):
                     for half in range(halves):
                         builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
                 with cgutils.for_range(builder, num_pairs) as loop:
-                    row0 = builder.add(builder.mul(v_step, builder.mul(loop.index, ir.Constant(_I64, 2))), offset)
+                    token = builder.mul(loop.index, ir.Constant(_I64, 2))
+                    row0 = builder.add(builder.mul(v_step, token), offset)
                     row1 = builder.add(row0, v_step)
                     for row in (row0, row1):
                         _prefetch_if(builder, pf, row)
@@ -332,11 +335,13 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
 
     def load_acc(c, width):
         for h in range(width // LANES):
-            builder.store(builder.load(builder.gep(acc, [ir.Constant(_I64, 2 * c + h)]), align=4), sums[2 * c + h])
+            pointer = builder.gep(acc, [ir.Constant(_I64, 2 * c + h)])
+            builder.store(builder.load(pointer, align=4), sums[2 * c + h])
 
     def store_acc(c, width):
         for h in range(width // LANES):
-            builder.store(builder.load(sums[2 * c + h]), builder.gep(acc, [ir.Constant(_I64, 2 * c + h)]), align=4)
+            pointer = builder.gep(acc, [ir.Constant(_I64, 2 * c + h)])
+            builder.store(builder.load(sums[2 * c + h]), pointer, align=4)
 
     def pair_of_rows(pair, row0, row1):
         probs = _broadcast_pair(builder, builder.add(p_first, builder.mul(pair, ir.Constant(_I64, 4))))
@@ -394,17 +399,6 @@ def to_bf16(x):
 
 
 @njit(**_JIT)
-def round_rows(x, r0, num_rows, bits):
-    """bits[r] = x[r] rounded to bfloat16 for rows r0 .. r0 + num_rows - 1.
-
-    x : float32 [rows, head_dim]; bits : uint16 [rows, head_dim].
-    """
-    for r in range(r0, r0 + num_rows):
-        for d in range(x.shape[1]):
-            bits[r, d] = to_bf16(x[r, d])
-
-
-@njit(**_JIT)
 def pack_pairs(p, r0, num_rows, num_cols, packed):
     """Pack probabilities two tokens to a word for the value tiles: packed[r, j] holds p[r, 2j]
     (low 16 bits) and p[r, 2j + 1] (high 16 bits) rounded to bfloat16; a column past num_cols
@@ -414,6 +408,7 @@ def pack_pairs(p, r0, num_rows, num_cols, packed):
     """
     for r in range(r0, r0 + num_rows):
         for j in range(num_cols // 2):
-            packed[r, j] = np.uint32(to_bf16(p[r, 2 * j])) | (np.uint32(to_bf16(p[r, 2 * j + 1])) << np.uint32(16))
+            low, high = np.uint32(to_bf16(p[r, 2 * j])), np.uint32(to_bf16(p[r, 2 * j + 1]))
+            packed[r, j] = low | (high << np.uint32(16))
         if num_cols % 2:
             packed[r, num_cols // 2] = np.uint32(to_bf16(p[r, num_cols - 1]))
