@@ -36,7 +36,7 @@ from numba import njit, prange
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, load_f32
 from pagekv.kernels._math import fast_exp, fmax
-from pagekv.kernels.prefetch import prefetch_rows as _prefetch_rows
+from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
 
 # Not fastmath=True: that implies no-NaN/no-inf and would break -inf masking. These flags let LLVM
 # reorder sums (vectorised dot products) and fuse multiply-adds, and nothing more.
@@ -176,14 +176,6 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
 
 
 @njit(inline="always", **_JIT)
-def _address(cache, page, head):
-    """Address of block ``cache[page, head]``; 0 when page < 0 (no block)."""
-    if page < 0:
-        return 0
-    return cache.ctypes.data + page * cache.strides[0] + head * cache.strides[1]
-
-
-@njit(inline="always", **_JIT)
 def _page_scores_bf16(q_bits, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, pf_cache,
                       pf_page, pf_head):
     """:func:`_page_scores` for bfloat16 pages (head_dim a multiple of 16) by vdpbf16ps tiles.
@@ -195,8 +187,8 @@ def _page_scores_bf16(q_bits, r0, num_rows, kc, kp, kh, num_tokens, scale, score
     """
     head_dim = kc.shape[3]
     k_row, q_row, s_row = kc.strides[2], q_bits.strides[0], scores.strides[0]
-    block = _address(kc, kp, kh)
-    ahead = _address(pf_cache, pf_page, pf_head)
+    block = block_address(kc, kp, kh)
+    ahead = block_address(pf_cache, pf_page, pf_head)
     r = r0
     while r < r0 + num_rows:
         four_rows = r + 4 <= r0 + num_rows
@@ -230,8 +222,8 @@ def _page_accumulate_bf16(packed, r0, num_rows, col, vc, vp, vh, num_tokens, acc
     packed : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`.
     """
     head_dim = vc.shape[3]
-    block = _address(vc, vp, vh)
-    ahead = _address(pf_cache, pf_page, pf_head)
+    block = block_address(vc, vp, vh)
+    ahead = block_address(pf_cache, pf_page, pf_head)
     a_row, p_row = acc.strides[0], packed.strides[0]
     r = r0
     while r < r0 + num_rows:
@@ -350,6 +342,22 @@ def _dot_scratch(rows, cols, head_dim, dot_products):
 
 
 @njit(inline="always", **_JIT)
+def _start_row(q, token, q_head, r, scale, dots, qs, q_bits, acc, m, l):
+    """Set up working row r for query q[token, q_head]: its running max, sum and accumulator
+    cleared, and the query itself — scaled in float32 (qs) for the float32 loops, or rounded to
+    bfloat16 and not scaled (q_bits) for the tiles, which scale the scores, so a bfloat16 query
+    stays exact."""
+    for d in range(acc.shape[1]):
+        acc[r, d] = 0.0
+        if dots:
+            q_bits[r, d] = bf16.to_bf16(q[token, q_head, d])
+        else:
+            qs[r, d] = q[token, q_head, d] * scale
+    m[r] = -np.inf
+    l[r] = 0.0
+
+
+@njit(inline="always", **_JIT)
 def _takes_dot_products(k_cache, kv_format, allowed):
     """Whether the vdpbf16ps path applies: bfloat16 pages, head_dim a multiple of 16, and an even
     page size (so every page starts on a packed probability pair)."""
@@ -402,16 +410,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
             seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
             for h in range(num_q_heads):
-                for d in range(head_dim):
-                    qs[h, d] = q[seq, h, d] * scale
-                    acc[h, d] = 0.0
-                m[h] = -np.inf
-                l[h] = 0.0
+                _start_row(q, seq, h, h, scale, dots, qs, q_bits, acc, m, l)
             qpos[:] = seq_len - 1
-            if dots:  # unscaled: a bfloat16 query stays exact (the tiles scale the scores)
-                for h in range(num_q_heads):
-                    for d in range(head_dim):
-                        q_bits[h, d] = bf16.to_bf16(q[seq, h, d])
             for first in range(page_begin, page_end, chunk_pages):
                 last = min(first + chunk_pages, page_end)
                 key0 = first * page_size
@@ -517,14 +517,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g
-                    for d in range(head_dim):
-                        qs[r, d] = q[row_begin + i, head * group + g, d] * scale
-                        acc[r, d] = 0.0
-                    if dots:
-                        for d in range(head_dim):
-                            q_bits[r, d] = bf16.to_bf16(q[row_begin + i, head * group + g, d])
-                    m[r] = -np.inf
-                    l[r] = 0.0
+                    _start_row(q, row_begin + i, head * group + g, r, scale, dots, qs, q_bits, acc,
+                               m, l)
                     qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
                     if slopes.shape[0] > 0:
                         slopes[r] = alibi_slopes[head * group + g]

@@ -43,6 +43,14 @@ def prefetch_address(typingctx, address):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def block_address(cache, page, head):
+    """Address of block ``cache[page, head]`` (no view: no refcount); 0 when page < 0 (no block)."""
+    if page < 0:
+        return 0
+    return cache.ctypes.data + page * cache.strides[0] + head * cache.strides[1]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def prefetch_rows(cache, page, head, row, num_rows):
     """Prefetch token rows ``row .. row + num_rows - 1`` of ``cache[page, head]``; nothing if page < 0.
 
@@ -50,6 +58,6 @@ def prefetch_rows(cache, page, head, row, num_rows):
     """
     if page < 0:
         return
-    start = cache.ctypes.data + page * cache.strides[0] + head * cache.strides[1] + row * cache.strides[2]
+    start = block_address(cache, page, head) + row * cache.strides[2]
     for offset in range(0, num_rows * cache.strides[2], CACHE_LINE):  # no view: no refcount
         prefetch_address(start + offset)
