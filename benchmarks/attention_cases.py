@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from pagekv import attention
+from pagekv import KVCache, KVCacheSpec, attention
 
 SHAPES = {
     "tiny": dict(num_seqs=3, seq_len=100, num_q_heads=8, num_kv_heads=2, head_dim=64),
@@ -62,11 +62,22 @@ def problem(shape, kind, page_size=PAGE_SIZE):
         v = (v.view(np.uint32) >> 16).astype(np.uint16)
     contiguous = np.arange(num_pages, dtype=np.int32).reshape(cfg["num_seqs"], pages_per_seq)
     table = order.reshape(cfg["num_seqs"], pages_per_seq)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"],
+                       page_size=page_size, dtype=kind)
+    k, v = in_kv_cache(spec, k, v)
     # The contiguous copy holds logical page p of sequence s at physical page s * pages + p.
-    k_contiguous, v_contiguous = k[table.ravel()], v[table.ravel()]
+    k_contiguous, v_contiguous = in_kv_cache(spec, k[table.ravel()], v[table.ravel()])
     q = rng.standard_normal((cfg["num_seqs"], cfg["num_q_heads"], cfg["head_dim"]), dtype=np.float32)
     lens = np.full(cfg["num_seqs"], cfg["seq_len"], np.int32)
     return DecodeProblem(q, k, v, table, contiguous, k_contiguous, v_contiguous, lens, kind)
+
+
+def in_kv_cache(spec, k, v):
+    """K and V pages copied into a one-layer KVCache: stored as the library stores them (where the
+    allocation starts matters: pagekv/_arrays.py, START_PAST_4K)."""
+    cache = KVCache(spec, k.shape[0])
+    cache.k(0)[...], cache.v(0)[...] = k, v
+    return cache.k(0), cache.v(0)
 
 
 def as_float32(storage, kind):

@@ -66,7 +66,7 @@ class KVCache:
             raise MemoryError(f"expected a KV cache within the {available / 2**30:.1f} GiB available, "
                               f"got {self.num_pages} pages x {spec.bytes_per_page} B = "
                               f"{nbytes / 2**30:.1f} GiB")
-        self.data = np.zeros(shape, _STORAGE[spec.dtype])
+        self.data = _arrays.zeros_on_line(shape, _STORAGE[spec.dtype])
 
     @property
     def nbytes(self) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError,
                     attention)
+from pagekv import _arrays
 from pagekv.prefix import chain_keys
 
 
@@ -277,6 +278,16 @@ def test_kv_cache_views_and_size():
     assert cache.nbytes == 5 * spec.bytes_per_page
     cache.v(1)[3] = 7
     assert cache.data[1, 1, 3].min() == 7 and cache.k(1).max() == 0
+
+
+@pytest.mark.parametrize("dtype, num_pages", [("float32", 1), ("bfloat16", 97), ("float16", 4096)])
+def test_kv_cache_starts_on_a_cache_line_past_a_4k_boundary(dtype, num_pages):
+    # small caches come from the heap and large ones from mmap: both start where _arrays says
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=80, page_size=16, dtype=dtype)
+    cache = KVCache(spec, num_pages)
+    assert cache.data.ctypes.data % 4096 == _arrays.START_PAST_4K
+    assert _arrays.START_PAST_4K % 64 == 0 and cache.data.shape[2] == num_pages
+    assert not cache.data.any() and cache.data.flags.c_contiguous and cache.data.flags.writeable
 
 
 def test_kv_cache_too_big_fails_before_touching_memory():
