@@ -21,7 +21,10 @@ import numba
 import numpy as np
 
 from attention_cases import pagekv_decode, problem, streaming_read
-from pagekv.attention import paged_prefill_attention
+from pagekv.attention import PREFETCH_BYTES, plan_decode, paged_prefill_attention
+from pagekv.kernels.attention import CHUNK_TOKENS
+from pagekv.kernels.bandwidth import LANES
+from pagekv.kernels.prefetch import CACHE_LINE, prefetch_address
 
 PAGE_SIZES = (16, 32, 128)
 RESIDENT_BYTES = 512 * 1024  # K pages per "from cache" run (and as many V): L2-sized
@@ -41,11 +44,61 @@ def prefill_variants(p, q_len=128):
             "paged, no prefetch": variant(p.k_cache, p.v_cache, p.block_table, prefetch=False)}
 
 
+@numba.njit(parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes):
+    """Sum whole pages in a decode step's visit order, each slot on its own thread, prefetching
+    ``ahead_bytes`` down that order as the kernels do (a line per line read).
+
+    k_pages, v_pages : float32 [num_pages, page_words] (a page of every head; words a multiple
+    of LANES); visits : int64 [num_visits, 2] = (0 for K or 1 for V, physical page);
+    slot_indptr : int64 [num_slots + 1].
+    """
+    words = k_pages.shape[1]
+    page_bytes = words * 4
+    partial = np.zeros(slot_indptr.shape[0] - 1)
+    for slot in numba.prange(slot_indptr.shape[0] - 1):
+        lanes = np.zeros(LANES, np.float32)
+        end = slot_indptr[slot + 1]
+        for i in range(slot_indptr[slot], end):
+            rows = (v_pages if visits[i, 0] else k_pages)[visits[i, 1]].reshape(words // LANES, LANES)
+            for j in range(words // LANES):
+                offset = j * LANES * 4 + ahead_bytes
+                ahead = i + offset // page_bytes
+                if ahead_bytes > 0 and ahead < end:
+                    pages = v_pages if visits[ahead, 0] else k_pages
+                    start = pages.ctypes.data + visits[ahead, 1] * page_bytes + offset % page_bytes
+                    for line in range(0, LANES * 4, CACHE_LINE):
+                        prefetch_address(start + line)
+                for lane in range(LANES):
+                    lanes[lane] += rows[j, lane]
+        partial[slot] = lanes.sum()
+    return partial.sum()
+
+
+def visit_order_sum(p):
+    """:func:`visit_sum` over p's pages in the order the decode kernel reads them: per thread slot
+    its items, per item its chunks of CHUNK_TOKENS, per chunk the K pages then the V pages."""
+    page_size = p.k_cache.shape[2]
+    plan = plan_decode(p.seq_lens, page_size=page_size)
+    chunk = max(1, CHUNK_TOKENS // page_size)
+    visits, indptr = [], [0]
+    for slot in range(len(plan.slot_indptr) - 1):
+        for seq, begin, end, _ in plan.items[plan.slot_indptr[slot]:plan.slot_indptr[slot + 1]]:
+            for first in range(begin, end, chunk):
+                pages = p.block_table[seq, first:min(first + chunk, end)]
+                visits += [(0, page) for page in pages] + [(1, page) for page in pages]
+        indptr.append(len(visits))
+    visits, indptr = np.array(visits, np.int64), np.array(indptr, np.int64)
+    k, v = (c.reshape(len(c), -1).view(np.float32) for c in (p.k_cache, p.v_cache))
+    return lambda: visit_sum(k, v, visits, indptr, PREFETCH_BYTES)
+
+
 def study(shape, kind, page_size, rounds, roof, *, op="decode"):
     p = problem(shape, kind, page_size)
     variants = ({"contiguous": pagekv_decode(p, contiguous=True), "paged": pagekv_decode(p),
                  "paged, no prefetch": pagekv_decode(p, prefetch=False),
-                 "from cache": pagekv_decode(p, resident_pages=RESIDENT_BYTES // p.k_cache[0].nbytes)}
+                 "from cache": pagekv_decode(p, resident_pages=RESIDENT_BYTES // p.k_cache[0].nbytes),
+                 "visit order, sum only": visit_order_sum(p)}
                 if op == "decode" else prefill_variants(p))
     variants["roof"] = roof
     times = {name: [] for name in variants}
@@ -104,8 +157,8 @@ def main():
     args = parser.parse_args()
     roof, roof_bytes = streaming_read()
     print("| op | shape | KV | page | roof GB/s | paged GB/s | % of roof | paged ÷ contiguous | "
-          "paged, no prefetch ÷ contiguous | from cache, % of roof |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "paged, no prefetch ÷ contiguous | from cache, % of roof | visit order, sum only, % of roof |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for op, shapes in (("decode", ("S1", "S3")), ("prefill", ("S1",))):
         for shape in shapes:
             for kind in ("float32", "bfloat16"):
@@ -116,12 +169,13 @@ def main():
                     base, paged = median["contiguous"], median["paged"]
                     roof_gbs = roof_bytes / median["roof"]
                     share = nbytes / paged / roof_gbs
-                    cached = (f"{100 * nbytes / median['from cache'] / roof_gbs:.0f}%"
-                              if "from cache" in median else "—")
+                    cached, visits = (f"{100 * nbytes / median[name] / roof_gbs:.0f}%"
+                                      if name in median else "—"
+                                      for name in ("from cache", "visit order, sum only"))
                     print(f"| {op} | {shape} | {kind} | {page_size} | {roof_gbs / 1e9:.1f} | "
                           f"{nbytes / paged / 1e9:.1f} | "
                           f"{100 * share:.0f}% | {paged / base:.2f} | "
-                          f"{median['paged, no prefetch'] / base:.2f} | {cached} |", flush=True)
+                          f"{median['paged, no prefetch'] / base:.2f} | {cached} | {visits} |", flush=True)
     memory_floor(args.rounds)
 
 
