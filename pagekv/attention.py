@@ -83,16 +83,13 @@ def _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages):
     if table.shape[0] != num_seqs or lens.shape[0] != num_seqs:
         raise ValueError(f"expected block_table and seq_lens for {num_seqs} sequences, "
                          f"got {table.shape[0]} and {lens.shape[0]}")
-    if num_seqs and lens.min() < 0:
-        raise ValueError(f"expected seq_lens >= 0, got {lens.min()}")
-    capacity = table.shape[1] * page_size
-    if num_seqs and lens.max() > capacity:
-        s = int(lens.argmax())
-        raise ValueError(f"expected seq_lens <= {capacity} (block_table holds {table.shape[1]} pages of "
-                         f"{page_size}), got {lens[s]} for sequence {s}")
-    bad = _validate.first_bad_page(table, lens, page_size, num_pages)
-    if bad[0] >= 0:
-        s, p = bad
+    problem, s, p = _validate.first_bad_entry(table, lens, page_size, num_pages)
+    if problem == _validate.NEGATIVE_LENGTH:
+        raise ValueError(f"expected seq_lens >= 0, got {lens[s]} for sequence {s}")
+    if problem == _validate.PAST_CAPACITY:
+        raise ValueError(f"expected seq_lens <= {table.shape[1] * page_size} (block_table holds "
+                         f"{table.shape[1]} pages of {page_size}), got {lens[s]} for sequence {s}")
+    if problem == _validate.BAD_PAGE:
         raise InvalidPageError(f"expected page ids in [0, {num_pages}), got {table[s, p]} "
                                f"at block_table[{s}, {p}]")
     return table, lens
