@@ -4,7 +4,7 @@ Each case records the K/V bytes it must read (``extra_info["kv_bytes"]``); ``rep
 the median time and by the streaming-read bandwidth measured in the same run. pagekv's own cases
 also record their share of the roof measured in rounds that alternate the two
 (``extra_info["share_of_roof"]``): this host's roof switches between ~35 and ~55 GB/s from minute
-to minute, so a share against a roof timed at another moment can read anywhere from 60% to 110%.
+to minute, so a share against a roof timed at another moment read anywhere from 55% to 112%.
 
     pytest benchmarks/bench_attention.py --benchmark-only --benchmark-json=attention.json
     python benchmarks/report.py attention.json

@@ -17,13 +17,13 @@ KINDS = ("float32", "float16", "bfloat16")
 KV_FORMAT = {"float32": 0, "float16": 1, "bfloat16": 2}  # codes of kernels/_dtypes.py
 
 
-# Where a cache allocated here starts: on a cache line, 64 bytes past a 4 KiB boundary (where torch's
-# CPU allocator starts large tensors too). numpy starts a
-# large array 16 bytes past a 4 KiB boundary, so every 64-byte vector load of a page row straddles two
-# lines; measured on S1 decode (one thread, interleaved with the streaming-read roof): bfloat16 43%
-# of the roof there, 56-61% on a line. A start exactly on a 4 KiB boundary measured 3-8 points below
-# other line offsets (float32: S1 84% vs 88-90%, S3 72% vs 76-78%, two threads); an unverified
-# guess: loads falsely matched against the kernels' scratch stores, compared on address bits 0-11.
+# Where a cache allocated here starts: on a cache line, 64 bytes past a 4 KiB boundary (where
+# torch's CPU allocator starts large tensors too). numpy starts a large array 16 bytes past a 4 KiB
+# boundary, so every 64-byte vector load of a page row straddles two lines. Measured on S1 decode,
+# variants rotated through the rounds: one thread, bfloat16 41% of the roof there, 54% on a line.
+# A start exactly on a 4 KiB boundary measured below other line offsets (float32, two threads: S1
+# 84% vs 88-89%, S3 73% vs 76-77%); an unverified guess: loads falsely matched against the
+# kernels' scratch stores, which the CPU compares on address bits 0-11 first.
 START_PAST_4K = 64
 
 
