@@ -7,6 +7,7 @@ import pytest
 
 from attention_cases import KINDS, numpy_gather_decode, pagekv_decode, problem, streaming_read, torch_sdpa_decode
 from pagekv import attention
+from prefetch_study import visit_order_sum
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -37,3 +38,14 @@ def test_resident_pages_reads_only_the_first_pages():
 def test_streaming_read_sums_every_element():
     run, num_bytes = streaming_read(1 << 20)
     assert run() == num_bytes // 4
+
+
+def test_visit_order_sum_reads_every_page_once():
+    p = problem("tiny", "float32")  # every physical page belongs to some sequence
+    rng = np.random.default_rng(2)
+    p.k_cache[...] = rng.integers(0, 8, p.k_cache.shape)  # small integers: float32 sums are exact
+    p.v_cache[...] = rng.integers(0, 8, p.v_cache.shape) * 16
+    try:
+        assert visit_order_sum(p)() == p.k_cache.sum(dtype=np.float64) + p.v_cache.sum(dtype=np.float64)
+    finally:
+        problem.cache_clear()  # the pages were overwritten
