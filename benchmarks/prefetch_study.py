@@ -10,8 +10,8 @@ the machine's drift hits all alike: the streaming-read roof, contiguous pages, r
 same step with every logical page mapped onto 512 KiB of physical pages ("from cache": the same
 arithmetic with no memory traffic, the ceiling the loops set whatever the memory). The table gives
 GB/s as shares of the roof and median times as ratios to contiguous.
-The second table reads 512 MiB in chunks of 8 KiB to 512 KiB, in order and in random order, with a
-plain streaming sum (no attention): the floor of what random page order costs without prefetch.
+The second table reads 512 MiB in chunks of 8 KiB to 512 KiB, in order and in random order, with the
+same visit-order sum and no prefetch: the floor of what random page order costs without it.
 """
 
 import argparse
@@ -24,7 +24,7 @@ from attention_cases import pagekv_decode, problem, streaming_read
 from pagekv.attention import PREFETCH_BYTES, plan_decode, paged_prefill_attention
 from pagekv.kernels.attention import CHUNK_TOKENS
 from pagekv.kernels.bandwidth import LANES
-from pagekv.kernels.prefetch import CACHE_LINE, prefetch_address
+from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_address
 
 PAGE_SIZES = (16, 32, 128)
 RESIDENT_BYTES = 512 * 1024  # K pages per "from cache" run (and as many V): L2-sized
@@ -46,14 +46,14 @@ def prefill_variants(p, q_len=128):
 
 @numba.njit(parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
 def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes):
-    """Sum whole pages in a decode step's visit order, each slot on its own thread, prefetching
-    ``ahead_bytes`` down that order as the kernels do (a line per line read).
+    """Sum whole pages in a given visit order, each slot on its own thread, prefetching
+    ``ahead_bytes`` down that order as the kernels do (a line per line read; 0: no prefetch).
 
-    k_pages, v_pages : float32 [num_pages, page_words] (a page of every head; words a multiple
-    of LANES); visits : int64 [num_visits, 2] = (0 for K or 1 for V, physical page);
-    slot_indptr : int64 [num_slots + 1].
+    k_pages, v_pages : float32 arrays whose [page] is one C-contiguous page (a K/V cache seen as
+    float32 words, a page of every head; words a multiple of LANES); visits : int64
+    [num_visits, 2] = (0 for K or 1 for V, physical page); slot_indptr : int64 [num_slots + 1].
     """
-    words = k_pages.shape[1]
+    words = k_pages[0].size
     page_bytes = words * 4
     partial = np.zeros(slot_indptr.shape[0] - 1)
     for slot in numba.prange(slot_indptr.shape[0] - 1):
@@ -66,7 +66,7 @@ def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes):
                 ahead = i + offset // page_bytes
                 if ahead_bytes > 0 and ahead < end:
                     pages = v_pages if visits[ahead, 0] else k_pages
-                    start = pages.ctypes.data + visits[ahead, 1] * page_bytes + offset % page_bytes
+                    start = block_address(pages, visits[ahead, 1], 0) + offset % page_bytes
                     for line in range(0, LANES * 4, CACHE_LINE):
                         prefetch_address(start + line)
                 for lane in range(LANES):
@@ -89,7 +89,7 @@ def visit_order_sum(p):
                 visits += [(0, page) for page in pages] + [(1, page) for page in pages]
         indptr.append(len(visits))
     visits, indptr = np.array(visits, np.int64), np.array(indptr, np.int64)
-    k, v = (c.reshape(len(c), -1).view(np.float32) for c in (p.k_cache, p.v_cache))
+    k, v = p.k_cache.view(np.float32), p.v_cache.view(np.float32)
     return lambda: visit_sum(k, v, visits, indptr, PREFETCH_BYTES)
 
 
@@ -113,39 +113,21 @@ def study(shape, kind, page_size, rounds, roof, *, op="decode"):
     return median, p.kv_bytes
 
 
-@numba.njit(parallel=True)
-def chunk_sum(data, order, lanes):
-    """Sum ``data[order[i]]`` for every i, ``lanes`` workers each taking a run of ``order``.
-
-    data : float32 [num_chunks, chunk_elems]; order : int64 [num_chunks].
-    """
-    per = order.shape[0] // lanes
-    out = np.zeros(lanes)
-    for w in numba.prange(lanes):
-        acc = np.zeros(16, np.float32)
-        for i in range(w * per, (w + 1) * per):
-            row = data[order[i]]
-            for j in range(0, row.shape[0], 16):
-                for lane in range(16):
-                    acc[lane] += row[j + lane]
-        out[w] = acc.sum()
-    return out
-
-
 def memory_floor(rounds):
     rng = np.random.default_rng(0)
     print("\n| chunk | in order GB/s | random order GB/s | random ÷ in order time |")
     print("|---|---|---|---|")
     for kib in (8, 16, 32, 64, 128, 512):
         data = rng.standard_normal((512 * 1024 // kib, kib * 256), dtype=np.float32)
-        in_order = np.arange(len(data), dtype=np.int64)
-        shuffled = rng.permutation(len(data)).astype(np.int64)
-        chunk_sum(data, in_order, 64)
+        slots = np.linspace(0, len(data), numba.get_num_threads() + 1).astype(np.int64)
+        orders = {"in order": np.arange(len(data)), "random": rng.permutation(len(data))}
+        visits = {name: np.stack([np.zeros_like(order), order], axis=1) for name, order in orders.items()}
         times = {"in order": [], "random": []}
+        visit_sum(data, data, visits["in order"], slots, 0)
         for _ in range(max(3, rounds // 4)):
-            for name, order in (("in order", in_order), ("random", shuffled)):
+            for name, chunks in visits.items():
                 start = time.perf_counter()
-                chunk_sum(data, order, 64)
+                visit_sum(data, data, chunks, slots, 0)
                 times[name].append(time.perf_counter() - start)
         a, b = np.median(times["in order"]), np.median(times["random"])
         print(f"| {kib} KiB | {data.nbytes / a / 1e9:.1f} | {data.nbytes / b / 1e9:.1f} | {b / a:.2f} |", flush=True)
