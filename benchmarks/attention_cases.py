@@ -5,6 +5,9 @@ Shapes (decode, page size 16):
 - S1 batch decode: 16 sequences x 2,048 tokens, 32 query heads, 8 KV heads, head_dim 128;
 - S2 long context: 1 sequence x 32,768 tokens, same heads;
 - S3 small MHA: 64 sequences x 512 tokens, 16/16 heads, head_dim 64.
+
+Prefill (chunked, on a shape's caches): each sequence's last PREFILL_TOKENS tokens are the new
+queries, attending causally to the cached tokens before them and to themselves.
 """
 
 import functools
@@ -23,6 +26,7 @@ SHAPES = {
 }
 PAGE_SIZE = 16
 KINDS = ("float32", "bfloat16")
+PREFILL_TOKENS = 128
 
 
 @dataclass
@@ -127,25 +131,27 @@ def numpy_gather_decode(p):
     return run
 
 
+def _torch_dense(p, cache):
+    """A dense torch cache [num_seqs, num_kv_heads, seq_len, head_dim] (float32 or bfloat16) of
+    p's contiguous copy (pages in sequence order): the cache users keep today."""
+    import torch
+
+    num_seqs, num_kv_heads, head_dim = len(p.seq_lens), cache.shape[1], cache.shape[3]
+    tensor = torch.from_numpy(cache.view(np.int16) if p.kind == "bfloat16" else cache)
+    if p.kind == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    pages = cache.shape[0] // num_seqs
+    dense = tensor.reshape(num_seqs, pages, num_kv_heads, -1, head_dim).transpose(1, 2).reshape(
+        num_seqs, num_kv_heads, -1, head_dim)
+    return dense[:, :, :int(p.seq_lens[0])].contiguous()  # every sequence has the same length
+
+
 def torch_sdpa_decode(p):
     """torch's scaled_dot_product_attention on a dense, contiguous cache (the cache users keep today)."""
     import torch
 
-    num_seqs, num_q_heads, head_dim = p.q.shape
-    num_kv_heads = p.k_cache.shape[1]
     dtype = torch.float32 if p.kind == "float32" else torch.bfloat16
-
-    def dense(cache):
-        # [num_seqs, heads, tokens, head_dim] from the contiguous copy (pages in sequence order)
-        tensor = torch.from_numpy(cache.view(np.int16) if p.kind == "bfloat16" else cache)
-        if p.kind == "bfloat16":
-            tensor = tensor.view(torch.bfloat16)
-        pages = cache.shape[0] // num_seqs
-        dense = tensor.reshape(num_seqs, pages, num_kv_heads, -1, head_dim).transpose(1, 2).reshape(
-            num_seqs, num_kv_heads, -1, head_dim)
-        return dense[:, :, :int(p.seq_lens[0])].contiguous()  # every sequence has the same length
-
-    k, v = dense(p.k_contiguous), dense(p.v_contiguous)
+    k, v = _torch_dense(p, p.k_contiguous), _torch_dense(p, p.v_contiguous)
     q = torch.from_numpy(p.q).to(dtype).unsqueeze(2)  # [num_seqs, num_q_heads, 1, head_dim]
 
     def run():
@@ -154,10 +160,59 @@ def torch_sdpa_decode(p):
     return run
 
 
+def prefill_queries(p, q_len=PREFILL_TOKENS):
+    """New query tokens for a chunked prefill over p's caches: each sequence's last ``q_len``
+    positions (float32 [num_seqs * q_len, num_q_heads, head_dim]) and their ``qo_indptr``
+    (int32 [num_seqs + 1]); pages already hold their keys and values."""
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((len(p.seq_lens) * q_len,) + p.q.shape[1:], dtype=np.float32)
+    return rows, np.arange(0, len(rows) + 1, q_len, dtype=np.int32)
+
+
+def prefill_flops(p, q_len=PREFILL_TOKENS):
+    """Multiply-add FLOPs of the chunked prefill (2 per multiply-add, scores and values): the query
+    at offset i of the chunk attends seq_len - q_len + i + 1 keys."""
+    num_q_heads, head_dim = p.q.shape[1:]
+    keys = sum(q_len * (int(n) - q_len) + q_len * (q_len + 1) // 2 for n in p.seq_lens)
+    return 4 * keys * num_q_heads * head_dim
+
+
+def pagekv_prefill(p, *, contiguous=False, prefetch=True, q_len=PREFILL_TOKENS):
+    """pagekv's chunked prefill over p's pages (see :func:`prefill_queries`)."""
+    rows, qo_indptr = prefill_queries(p, q_len)
+    out = np.empty_like(rows)
+    k, v = (p.k_contiguous, p.v_contiguous) if contiguous else (p.k_cache, p.v_cache)
+    table = p.contiguous_table if contiguous else p.block_table
+    return lambda: attention.paged_prefill_attention(rows, k, v, table, p.seq_lens, qo_indptr,
+                                                     out=out, prefetch=prefetch)
+
+
+def torch_sdpa_prefill(p, q_len=PREFILL_TOKENS):
+    """The same prefill through torch's scaled_dot_product_attention on a dense cache, with the
+    causal mask of a chunk that follows cached tokens (query i sees keys up to seq_len - q_len + i).
+    Returns [num_seqs, num_q_heads, q_len, head_dim]."""
+    import torch
+
+    dtype = torch.float32 if p.kind == "float32" else torch.bfloat16
+    rows, _ = prefill_queries(p, q_len)
+    k, v = _torch_dense(p, p.k_contiguous), _torch_dense(p, p.v_contiguous)
+    num_seqs, seq_len = len(p.seq_lens), int(p.seq_lens[0])
+    q = torch.from_numpy(rows).view(num_seqs, q_len, *rows.shape[1:]).transpose(1, 2).to(dtype).contiguous()
+    mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
+
+    def run():
+        with torch.inference_mode():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                    enable_gqa=True)
+    return run
+
+
 def streaming_read(num_bytes=1 << 29):
     """The machine's streaming-read roof: a vectorised parallel sum over a 512 MiB array."""
+    from pagekv.kernels import threads
     from pagekv.kernels.bandwidth import stream_sum
 
+    threads.start()  # as pagekv's own calls start Numba's threads (a torch imported later must not nest)
     data = np.ones(num_bytes // 4, np.float32)
     threads = numba.get_num_threads()
     return lambda: stream_sum(data, threads), data.nbytes

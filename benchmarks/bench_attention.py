@@ -1,4 +1,4 @@
-"""Decode attention benchmarks: pagekv against the machine's bandwidth roof and what users run today.
+"""Attention benchmarks: pagekv against the machine's bandwidth roof and what users run today.
 
 Each case records the K/V bytes it must read (``extra_info["kv_bytes"]``); ``report.py`` divides by
 the median time and by the streaming-read bandwidth measured in the same run. pagekv's own cases
@@ -6,19 +6,23 @@ also record their share of the roof measured in rounds that alternate the two
 (``extra_info["share_of_roof"]``): this host's roof switches between ~35 and ~55 GB/s from minute
 to minute, so a share against a roof timed at another moment read anywhere from 55% to 112%.
 
+Chunked prefill (S1's caches, each sequence's last 128 tokens as queries) is compute-bound: its
+cases record FLOPs (``extra_info["flops"]``), and pagekv's the median ratio of torch SDPA's time to
+its own in PREFILL_ROUNDS alternating rounds (``extra_info["sdpa_over_pagekv"]``).
+
     pytest benchmarks/bench_attention.py --benchmark-only --benchmark-json=attention.json
     python benchmarks/report.py attention.json
 """
 
 import functools
 import importlib.util
-import time
 
 import numpy as np
 import pytest
 
-from attention_cases import (KINDS, numpy_gather_decode, pagekv_decode, problem, streaming_read,
-                             torch_sdpa_decode)
+from attention_cases import (KINDS, PREFILL_TOKENS, numpy_gather_decode, pagekv_decode, pagekv_prefill,
+                             prefill_flops, problem, streaming_read, torch_sdpa_decode, torch_sdpa_prefill)
+from paired import paired_times
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 IMPLEMENTATIONS = {
@@ -31,7 +35,9 @@ IMPLEMENTATIONS = {
 }
 
 
+PREFILL_IMPLEMENTATIONS = {"pagekv": pagekv_prefill, "torch sdpa (dense)": torch_sdpa_prefill}
 ROOF_ROUNDS = 15
+PREFILL_ROUNDS = 7
 
 
 @functools.cache
@@ -43,16 +49,9 @@ def share_of_roof(run, kv_bytes):
     """Median over ROOF_ROUNDS rounds of run's GB/s ÷ the roof's GB/s timed next to it, and the
     median roof of those rounds (GB/s)."""
     roof, roof_bytes = _roof()
-    shares, roofs = [], []
-    for _ in range(ROOF_ROUNDS):
-        start = time.perf_counter()
-        roof()
-        middle = time.perf_counter()
-        run()
-        end = time.perf_counter()
-        roofs.append(roof_bytes / (middle - start))
-        shares.append(kv_bytes / (end - middle) / roofs[-1])
-    return float(np.median(shares)), float(np.median(roofs)) / 1e9
+    run_seconds, roof_seconds = paired_times(run, roof, ROOF_ROUNDS)
+    roofs = roof_bytes / roof_seconds
+    return float(np.median(kv_bytes / run_seconds / roofs)), float(np.median(roofs)) / 1e9
 
 
 def test_streaming_read_bandwidth(benchmark):
@@ -79,3 +78,21 @@ def test_decode(benchmark, shape, kind, name):
         share, roof_gbs = share_of_roof(run, p.kv_bytes)
         benchmark.extra_info.update(share_of_roof=share, paired_roof_gbs=roof_gbs)
     benchmark(run)
+
+
+@pytest.mark.parametrize("name", PREFILL_IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill(benchmark, kind, name):
+    if name.startswith("torch") and not HAVE_TORCH:
+        pytest.skip("torch is not installed (pip install torch==2.13.0 for the CPU build)")
+    p = problem("S1", kind)
+    run = PREFILL_IMPLEMENTATIONS[name](p)
+    benchmark.group = f"prefill S1 {kind}"
+    benchmark.extra_info.update(kind="prefill", shape="S1", dtype=kind, impl=name,
+                                q_tokens=PREFILL_TOKENS, flops=prefill_flops(p))
+    if name == "pagekv" and HAVE_TORCH and not benchmark.disabled:
+        sdpa = torch_sdpa_prefill(p)
+        sdpa()
+        pagekv_seconds, sdpa_seconds = paired_times(run, sdpa, PREFILL_ROUNDS)
+        benchmark.extra_info["sdpa_over_pagekv"] = float(np.median(sdpa_seconds / pagekv_seconds))
+    benchmark.pedantic(run, rounds=5, warmup_rounds=1)

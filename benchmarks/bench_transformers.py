@@ -13,10 +13,8 @@ the other, minutes apart, and this host's memory bandwidth switches between two 
 """
 
 import inspect
-import time
 
 import numpy as np
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
@@ -24,6 +22,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the transformers extra is not installed (pip install pagekv[transformers])")
 
 from pagekv.integrations.transformers import PagedKVPool  # noqa: E402
+from paired import paired_times  # noqa: E402
 
 CONTEXTS = [2048, 8192]
 BATCHES = [1, 4]
@@ -85,15 +84,8 @@ def sdpa_over_pagekv(twin, batch, context, pagekv_step):
     _, cache_kwarg, next_ids = prefilled(twin, "sdpa", batch, context)
     sdpa_step = stepper(twin, cache_kwarg, next_ids)
     sdpa_step()
-    ratios = []
-    for i in range(PAIRED_ROUNDS):
-        seconds, order = {}, [("pagekv", pagekv_step), ("sdpa", sdpa_step)]
-        for name, step in order if i % 2 else order[::-1]:
-            start = time.perf_counter()
-            step()
-            seconds[name] = time.perf_counter() - start
-        ratios.append(seconds["sdpa"] / seconds["pagekv"])
-    return float(np.median(ratios))
+    pagekv_seconds, sdpa_seconds = paired_times(pagekv_step, sdpa_step, PAIRED_ROUNDS)
+    return float(np.median(sdpa_seconds / pagekv_seconds))
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

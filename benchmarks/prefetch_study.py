@@ -20,8 +20,8 @@ import time
 import numba
 import numpy as np
 
-from attention_cases import pagekv_decode, problem, streaming_read
-from pagekv.attention import PREFETCH_BYTES, plan_decode, paged_prefill_attention
+from attention_cases import pagekv_decode, pagekv_prefill, problem, streaming_read
+from pagekv.attention import PREFETCH_BYTES, plan_decode
 from pagekv.kernels.attention import CHUNK_TOKENS
 from pagekv.kernels.bandwidth import LANES
 from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_address
@@ -30,18 +30,11 @@ PAGE_SIZES = (16, 32, 128)
 RESIDENT_BYTES = 512 * 1024  # K pages per "from cache" run (and as many V): L2-sized
 
 
-def prefill_variants(p, q_len=128):
-    """Chunked prefill: each sequence's last ``q_len`` tokens attend to its whole paged context."""
-    rng = np.random.default_rng(1)
-    rows = rng.standard_normal((len(p.seq_lens) * q_len,) + p.q.shape[1:], dtype=np.float32)
-    qo_indptr = np.arange(0, len(rows) + 1, q_len, dtype=np.int32)
-
-    def variant(k, v, table, prefetch=True):
-        return lambda: paged_prefill_attention(rows, k, v, table, p.seq_lens, qo_indptr, prefetch=prefetch)
-
-    return {"contiguous": variant(p.k_contiguous, p.v_contiguous, p.contiguous_table),
-            "paged": variant(p.k_cache, p.v_cache, p.block_table),
-            "paged, no prefetch": variant(p.k_cache, p.v_cache, p.block_table, prefetch=False)}
+def prefill_variants(p):
+    """Chunked prefill (attention_cases.pagekv_prefill): each sequence's last PREFILL_TOKENS tokens
+    attend to its whole paged context."""
+    return {"contiguous": pagekv_prefill(p, contiguous=True), "paged": pagekv_prefill(p),
+            "paged, no prefetch": pagekv_prefill(p, prefetch=False)}
 
 
 @numba.njit(parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})

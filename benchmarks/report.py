@@ -61,6 +61,8 @@ def attention_tables(benchmarks):
             cases[(info["shape"], info["dtype"])][info["impl"]] = (bench["stats"]["median"], info["kv_bytes"])
             if "share_of_roof" in info:
                 shares[(info["shape"], info["dtype"])] = (info["share_of_roof"], info["paired_roof_gbs"])
+    if not cases:
+        return ""
     lines = [f"Streaming-read roof (same run, same threads): {roof_gbs:.1f} GB/s; \"% of roof\" pairs "
              "each pagekv run with a roof timed next to it (median of the rounds' ratios; the rounds' median "
              "roof beside it)", "",
@@ -84,6 +86,28 @@ def attention_tables(benchmarks):
                      f"{impls['pagekv no prefetch'][0] / time:.2f} | {ratio('pagekv float32 products')} "
                      f"| {ratio('torch sdpa (dense)')} "
                      f"| {ratio('numpy gather')} |")
+    return "\n".join(lines)
+
+
+def prefill_table(benchmarks):
+    cases, paired = defaultdict(dict), {}
+    for bench in benchmarks:
+        info = bench["extra_info"]
+        if info.get("kind") == "prefill":
+            key = (info["shape"], info["dtype"], info["q_tokens"])
+            cases[key][info["impl"]] = info["flops"] / bench["stats"]["median"] / 1e9
+            if "sdpa_over_pagekv" in info:
+                paired[key] = info["sdpa_over_pagekv"]
+    if not cases:
+        return ""
+    lines = ["| shape | KV dtype | new tokens per sequence | pagekv GFLOP/s | torch SDPA (dense) GFLOP/s "
+             "| SDPA ÷ pagekv time | same, paired rounds |", "|---|---|---|---|---|---|---|"]
+    for (shape, dtype, q_tokens), gflops in sorted(cases.items()):
+        sdpa = gflops.get("torch sdpa (dense)")
+        both = paired.get((shape, dtype, q_tokens))
+        lines.append(f"| {shape} | {dtype} | {q_tokens} | {gflops['pagekv']:.0f} | "
+                     + (f"{sdpa:.0f} | {gflops['pagekv'] / sdpa:.2f}× | " if sdpa else "— | — | ")
+                     + (f"{both:.2f}× |" if both is not None else "— |"))
     return "\n".join(lines)
 
 
@@ -150,6 +174,7 @@ def main(path):
     if any("pages_per_call" in b["extra_info"] for b in data["benchmarks"]):
         print(allocator_tables(data["benchmarks"]))
     print(attention_tables(data["benchmarks"]))
+    print(prefill_table(data["benchmarks"]))
     print(manager_table(data["benchmarks"]))
     print(transformers_table(data["benchmarks"]))
     print(swap_table(data["benchmarks"]))

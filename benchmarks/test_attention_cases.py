@@ -5,8 +5,11 @@ import importlib.util
 import numpy as np
 import pytest
 
-from attention_cases import KINDS, numpy_gather_decode, pagekv_decode, problem, streaming_read, torch_sdpa_decode
+from attention_cases import (KINDS, as_float32, numpy_gather_decode, pagekv_decode, pagekv_prefill,
+                             prefill_flops, prefill_queries, problem, streaming_read, torch_sdpa_decode,
+                             torch_sdpa_prefill)
 from pagekv import attention
+from pagekv.reference import attention as reference
 from prefetch_study import visit_order_sum
 
 
@@ -24,6 +27,29 @@ def test_implementations_agree(kind):
     if importlib.util.find_spec("torch") is not None:
         got = torch_sdpa_decode(p)().float().squeeze(2).numpy()
         np.testing.assert_allclose(got, expected, rtol=0.05 if kind == "bfloat16" else 1e-4, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_implementations_agree(kind):
+    p = problem("tiny", kind)
+    q_len = 17  # of 100 tokens: the chunk starts and ends mid-page
+    rows, qo_indptr = prefill_queries(p, q_len)
+    expected, _ = reference.prefill(rows, as_float32(p.k_cache, kind), as_float32(p.v_cache, kind),
+                                    p.block_table, p.seq_lens, qo_indptr)
+    tolerance = dict(rtol=0.05, atol=2e-2) if kind == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
+    for contiguous in (False, True):
+        np.testing.assert_allclose(pagekv_prefill(p, contiguous=contiguous, q_len=q_len)(), expected,
+                                   **tolerance)
+    if importlib.util.find_spec("torch") is not None:
+        got = torch_sdpa_prefill(p, q_len)().float().transpose(1, 2).reshape(rows.shape).numpy()
+        np.testing.assert_allclose(got, expected, **tolerance)
+
+
+def test_prefill_flops_count_every_visible_key():
+    p = problem("tiny", "float32")
+    q_len = 17
+    visible = sum((np.arange(n - q_len, n) + 1).sum() for n in p.seq_lens)  # query at position i sees i + 1 keys
+    assert prefill_flops(p, q_len) == 4 * visible * p.q.shape[1] * p.q.shape[2]
 
 
 def test_resident_pages_reads_only_the_first_pages():

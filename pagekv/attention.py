@@ -19,6 +19,7 @@ from pagekv.errors import InvalidPageError
 from pagekv.kernels import attention as _attention
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import plan as _plan
+from pagekv.kernels import threads as _threads
 from pagekv.kernels import validate as _validate
 
 __all__ = [
@@ -282,6 +283,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     lse = np.empty((num_seqs, num_q_heads), np.float32)
     part_out = np.empty((plan.num_parts, num_q_heads, head_dim), np.float32)
     part_lse = np.empty((plan.num_parts, num_q_heads), np.float32)
+    _threads.start()
     _attention.decode(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, plan.items, plan.slot_indptr,
                       scale, window, cap, slopes, buffer, lse, part_out, part_lse,
                       _prefetch_blocks(prefetch, k), _fast_bf16(fast_bf16))
@@ -337,6 +339,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
                                             numba.get_num_threads())
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_tokens, num_q_heads), np.float32)
+    _threads.start()
     _attention.prefill(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, indptr, items, slot_indptr,
                        scale, window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k),
                        _fast_bf16(fast_bf16))
@@ -379,6 +382,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     valid = slots[slots >= 0]
     if np.unique(valid).size != valid.size:
         raise ValueError("expected distinct slots in slot_mapping, got a repeated slot")
+    _threads.start()
     _cache_ops.write_kv(new[0], new[1], kc, vc, slots)
 
 
@@ -402,6 +406,7 @@ def copy_pages(k_cache, v_cache, src, dst):
             raise InvalidPageError(f"expected {name} page ids in [0, {kc.shape[0]}), got {bad}")
     if np.unique(dst).size != dst.size or np.intersect1d(src, dst).size:
         raise ValueError("expected dst pages distinct and disjoint from src, got an overlap")
+    _threads.start()
     _cache_ops.copy_pages(kc, vc, src, dst)
 
 
@@ -422,6 +427,7 @@ def gather_kv(k_cache, v_cache, block_table, seq_lens):
     np.cumsum(lens, out=indptr[1:])
     k_out = np.empty((indptr[-1], num_kv_heads, head_dim), kc.dtype)
     v_out = np.empty_like(k_out)
+    _threads.start()
     _cache_ops.gather_kv(kc, vc, table, indptr, k_out, v_out)
     dtype = np.asarray(k_cache).dtype if not _arrays.is_torch(k_cache) else kc.dtype
     if dtype != kc.dtype:  # float16 or ml_dtypes.bfloat16 storage: view the bits back
@@ -457,5 +463,6 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         lses.append(array)
     o = np.empty_like(arrays[0])
     lse = np.empty_like(lses[0])
+    _threads.start()
     _cache_ops.merge_states(arrays[0], lses[0], arrays[1], lses[1], o, lse)
     return o, lse

@@ -260,7 +260,9 @@ def info(args, model_of=None):
     import numba
 
     import pagekv.kernels
+    from pagekv.kernels import threads
 
+    threads.start()  # as a kernel call would (pagekv/kernels/threads.py: why nesting is off)
     versions = {name: importlib.metadata.version(name)
                 for name in ("pagekv", "numpy", "numba", "llvmlite")}
     print(f"python     {platform.python_version()} ({platform.machine()}, {platform.system()})")
@@ -268,11 +270,10 @@ def info(args, model_of=None):
         print(f"{name:10s} {version}")
     print(f"threads    {numba.get_num_threads()} (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}; "
           f"{os.cpu_count()} CPUs)")
-    from pagekv.kernels.bandwidth import stream_sum
-
-    stream_sum(np.ones(4096, np.float32), numba.get_num_threads())  # start the thread pool
+    openmp = threads.numba_libgomp() if numba.threading_layer() == "omp" else None
+    nesting = "" if openmp is None else f"; GNU OpenMP, {openmp.omp_get_max_active_levels()} active level(s)"
     print(f"threading  {numba.threading_layer()} layer (NUMBA_THREADING_LAYER="
-          f"{numba.config.THREADING_LAYER})")
+          f"{numba.config.THREADING_LAYER}){nesting}")
     features = llvm.get_host_cpu_features()
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bf16", "neon", "sve"]
     print(f"cpu        {llvm.get_host_cpu_name()}: "

@@ -16,6 +16,7 @@ import numpy as np
 from pagekv.cache import KVCache
 from pagekv.errors import OutOfPagesError, UnknownSequenceError
 from pagekv.kernels import cache_ops as _cache_ops
+from pagekv.kernels import threads as _threads
 from pagekv.manager import KVCacheManager
 from pagekv.prefix import chain_keys
 from pagekv.tier import OffloadTier
@@ -94,6 +95,7 @@ class TieredKVCache:
             raise ValueError(f"expected sequences at rest, got {busy[0]!r} with a prefetch running: wait() first")
         hot = np.concatenate(tables) if tables else np.empty(0, np.int32)
         cold = self._take_tier_pages(len(hot))
+        _threads.start()
         _cache_ops.copy_across(self._hot, self._cold, hot, cold)
         start = 0
         for seq_id, table in zip(seq_ids, tables):
@@ -182,6 +184,7 @@ class TieredKVCache:
             if run and len(run) <= manager.pages_obtainable(keep=hot):
                 cold = np.array([self.tier.take_prefix(key) for key in run], np.int32)  # pinned
                 pages = manager.restore_cached(run, keep=hot)
+                _threads.start()
                 _cache_ops.copy_across(self._cold, self._hot, cold, pages)
                 self.tier.allocator.decref(cold)
                 self.bytes_restored += len(run) * self.cache.spec.bytes_per_page
@@ -195,6 +198,7 @@ class TieredKVCache:
             return
         keys, pages = keys[-room:], pages[-room:]
         cold = self._take_tier_pages(len(keys))
+        _threads.start()
         _cache_ops.copy_across(self._hot, self._cold, pages, cold)
         for key, page in zip(keys, cold.tolist()):
             self.tier.keep_prefix(key, page)
