@@ -45,7 +45,7 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16):
             cache = (cache.view(np.uint32) >> 16).astype(np.uint16)
         else:
             cache = cache.astype(storage[kind])
-        q = np.ones((2, 4, head_dim), np.float32)
+        q = np.ones((2, 4, head_dim), storage[kind])  # a 16-bit query compiles its conversions too
         table = np.array([[0, 1], [2, 0]], np.int32)
         lens = np.array([page_size + 1, 3], np.int32)
         attention.paged_decode_attention(q, cache, cache, table, lens)

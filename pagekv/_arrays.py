@@ -90,27 +90,6 @@ def int_array(x, name, ndim):
     return np.ascontiguousarray(array)
 
 
-def to_float32(array, kind):
-    """float32 values of a storage array (a copy unless it is float32 already)."""
-    if kind == "float32":
-        return array
-    if kind == "float16":
-        return array.view(np.float16).astype(np.float32)
-    return (array.astype(np.uint32) << 16).view(np.float32)
-
-
-def from_float32(values, kind, out):
-    """Store float32 ``values`` into the storage array ``out`` of ``kind`` (round to nearest even)."""
-    if kind == "float32":
-        out[...] = values
-    elif kind == "float16":
-        out.view(np.float16)[...] = values
-    else:
-        bits = values.view(np.uint32)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        out[...] = np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
-
-
 def new_like(x, kind, shape):
     """A new array of the caller's kind (torch tensor or numpy) and ``kind``, with its storage view."""
     if is_torch(x):

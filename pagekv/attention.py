@@ -18,6 +18,7 @@ from pagekv import _arrays
 from pagekv.errors import InvalidPageError
 from pagekv.kernels import attention as _attention
 from pagekv.kernels import cache_ops as _cache_ops
+from pagekv.kernels import convert as _convert
 from pagekv.kernels import plan as _plan
 from pagekv.kernels import threads as _threads
 from pagekv.kernels import validate as _validate
@@ -38,6 +39,28 @@ MIN_SPLIT_TOKENS = 256  # a split piece of a long sequence covers at least this 
 # 64 KiB: the bfloat16 tiles compute fast enough that 16 KiB arrived late (S1/S3 bfloat16, page 16:
 # 73-76% of the roof at 16 KiB, 79-81% at 64 KiB, two interleaved runs); float32 measured alike.
 PREFETCH_BYTES = 64 * 1024
+
+
+# ----------------------------------------------------------------------------------- conversions
+def _to_float32(array, kind):
+    """float32 values of a storage array (a copy unless it is float32 already; same shape)."""
+    if kind == "float32":
+        return array
+    out = np.empty(array.shape, np.float32)
+    _convert.widen(np.ascontiguousarray(array).reshape(-1), _arrays.KV_FORMAT[kind], out.reshape(-1))
+    return out
+
+
+def _from_float32(values, kind, out):
+    """Store float32 ``values`` into the storage array ``out`` of ``kind`` (round to nearest even).
+
+    out : C-contiguous, ``values``'s shape.
+    """
+    if kind == "float32":
+        out[...] = values
+    else:
+        _convert.narrow(np.ascontiguousarray(values, np.float32).reshape(-1), _arrays.KV_FORMAT[kind],
+                        out.reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -72,7 +95,7 @@ def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slop
         slopes = np.empty(0, np.float32)
     else:
         array, kind = _arrays.float_storage(alibi_slopes, "alibi_slopes")
-        slopes = np.ascontiguousarray(_arrays.to_float32(array, kind), dtype=np.float32)
+        slopes = np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32)
         if slopes.shape != (num_q_heads,):
             raise ValueError(f"expected alibi_slopes of shape ({num_q_heads},), got {slopes.shape}")
     return np.float32(scale), window, np.float32(cap), slopes
@@ -106,7 +129,7 @@ def _query(q, name, num_kv_heads, head_dim):
     if array.shape[1] % num_kv_heads:
         raise ValueError(f"expected num_q_heads a multiple of num_kv_heads {num_kv_heads}, "
                          f"got {array.shape[1]}")
-    return np.ascontiguousarray(_arrays.to_float32(array, kind), dtype=np.float32), kind
+    return np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32), kind
 
 
 def _inputs(q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes):
@@ -290,7 +313,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     if len(plan.split_seqs):
         _attention.merge_parts(part_out, part_lse, plan.split_seqs, buffer, lse)
     if buffer is not storage:
-        _arrays.from_float32(buffer, q_kind, storage)
+        _from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result
 
 
@@ -344,7 +367,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
                        scale, window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k),
                        _fast_bf16(fast_bf16))
     if buffer is not storage:
-        _arrays.from_float32(buffer, q_kind, storage)
+        _from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result
 
 
@@ -372,7 +395,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
                              f"got {array.shape}")
         if x_kind != kind:
             converted = np.empty(array.shape, kc.dtype)
-            _arrays.from_float32(np.ascontiguousarray(_arrays.to_float32(array, x_kind)), kind, converted)
+            _from_float32(np.ascontiguousarray(_to_float32(array, x_kind)), kind, converted)
             array = converted
         new.append(array)
     if slots.size and slots.max() >= num_pages * page_size:
@@ -452,7 +475,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     arrays = []
     for name, x in (("o_a", o_a), ("o_b", o_b)):
         array, kind = _arrays.float_storage(x, name)
-        arrays.append(np.ascontiguousarray(_arrays.to_float32(array, kind), dtype=np.float32))
+        arrays.append(np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32))
     if arrays[0].ndim != 3 or arrays[0].shape != arrays[1].shape:
         raise ValueError(f"expected o_a and o_b of one 3-D shape, got {arrays[0].shape} and {arrays[1].shape}")
     lses = []
