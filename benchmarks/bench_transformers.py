@@ -1,10 +1,11 @@
-"""A transformers model decoding on pagekv (PagedCache + "pagekv" attention) against its default path
-(DynamicCache + sdpa), per generated token, at 2K and 8K tokens of context, in one run.
+"""A transformers model on pagekv (PagedCache + "pagekv" attention) against its default path
+(DynamicCache + sdpa), in one run: per generated token at 2K and 8K tokens of context (float32),
+and per 2K-token prompt (the time to the first token; float32 and bfloat16).
 
     pytest benchmarks/bench_transformers.py --benchmark-only --benchmark-json=transformers.json
     python benchmarks/report.py transformers.json
 
-One round = one decode forward of the whole batch (the cache grows by one token per round, under 1%
+One decode round = one decode forward of the whole batch (the cache grows by one token per round, under 1%
 of the context over a benchmark). The default path's time includes DynamicCache's torch.cat growth,
 which is what its users pay per token. The pagekv cases also record the ratio of the two paths in
 rounds that alternate them (``extra_info["sdpa_over_pagekv"]``): each case alone is timed after
@@ -49,6 +50,11 @@ def twin():
     return new_model()
 
 
+def cache_keyword(model):
+    """forward's name for the cache: transformers 5.24 renamed `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+
+
 def prefilled(model, impl, batch, context):
     """A cache holding ``context`` prompt tokens per row, the keyword it goes under, the next tokens."""
     ids = torch.randint(1, CONFIG["vocab_size"], (batch, context), generator=torch.Generator().manual_seed(1))
@@ -57,8 +63,7 @@ def prefilled(model, impl, batch, context):
         cache = pool.new_cache()
     else:
         pool, cache = None, transformers.DynamicCache(config=model.config)
-    # transformers 5.24 renamed forward's `past_key_values` to `cache`
-    keyword = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+    keyword = cache_keyword(model)
     with torch.no_grad():
         logits = model(input_ids=ids, **{keyword: cache}).logits
     return pool, {keyword: cache}, logits[:, -1:].argmax(-1)
@@ -105,3 +110,44 @@ def test_decode_token(benchmark, model, twin, impl, batch, context):
             pool.close()
             for cache in cache_kwarg.values():
                 cache.release()
+
+
+PROMPT_TOKENS = 2048
+PREFILL_ROUNDS = 7
+
+
+def prompt_forward(model, impl):
+    """A callable running one PROMPT_TOKENS-token prompt into an empty cache (the time to the first
+    token), and the pool to close (None for the default path). Prefix caching is off, so every call
+    does the whole prompt's work."""
+    ids = torch.randint(1, CONFIG["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(2))
+    keyword = cache_keyword(model)
+    pool = (PagedKVPool(model, num_pages=PROMPT_TOKENS // PAGE_SIZE + 1, page_size=PAGE_SIZE,
+                        enable_prefix_caching=False) if impl == "pagekv" else None)
+
+    def forward():
+        cache = pool.new_cache() if pool is not None else transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, **{keyword: cache})
+        if pool is not None:
+            cache.release()
+    return pool, forward
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", ["pagekv", "sdpa"])
+def test_prefill_prompt(benchmark, impl, dtype):
+    model = new_model().to(getattr(torch, dtype))
+    pool, forward = prompt_forward(model, impl)
+    benchmark.group = f"transformers prefill|{dtype}"
+    benchmark.extra_info.update(kind="transformers prefill", impl=impl, dtype=dtype, context=PROMPT_TOKENS)
+    try:
+        if impl == "pagekv" and not benchmark.disabled:  # the default path on a twin, alternating
+            _, sdpa_forward = prompt_forward(new_model().to(getattr(torch, dtype)), "sdpa")
+            sdpa_forward()
+            pagekv_seconds, sdpa_seconds = paired_times(forward, sdpa_forward, PREFILL_ROUNDS)
+            benchmark.extra_info["sdpa_over_pagekv"] = float(np.median(sdpa_seconds / pagekv_seconds))
+        benchmark.pedantic(forward, rounds=5, warmup_rounds=1)
+    finally:
+        if pool is not None:
+            pool.close()

@@ -151,6 +151,26 @@ def transformers_table(benchmarks):
     return "\n".join(lines)
 
 
+def transformers_prefill_table(benchmarks):
+    rows = [b for b in benchmarks if b["extra_info"].get("kind") == "transformers prefill"]
+    if not rows:
+        return ""
+    ms, paired = defaultdict(dict), {}
+    for bench in rows:
+        info = bench["extra_info"]
+        ms[(info["dtype"], info["context"])][info["impl"]] = bench["stats"]["median"] * 1e3
+        if "sdpa_over_pagekv" in info:
+            paired[(info["dtype"], info["context"])] = info["sdpa_over_pagekv"]
+    lines = ["| dtype | prompt tokens | pagekv ms | sdpa + DynamicCache ms | sdpa ÷ pagekv "
+             "| sdpa ÷ pagekv, paired rounds |", "|---|---|---|---|---|---|"]
+    for (dtype, context), impls in sorted(ms.items()):
+        both = paired.get((dtype, context))
+        lines.append(f"| {dtype} | {context} | {impls['pagekv']:.0f} | {impls['sdpa']:.0f} "
+                     f"| {impls['sdpa'] / impls['pagekv']:.2f}× | "
+                     + (f"{both:.2f}× |" if both is not None else "— |"))
+    return "\n".join(lines)
+
+
 def swap_table(benchmarks):
     rows = {b["extra_info"]["op"]: b for b in benchmarks if b["extra_info"].get("kind") == "swap"}
     if "numpy copyto" not in rows:
@@ -177,6 +197,7 @@ def main(path):
     print(prefill_table(data["benchmarks"]))
     print(manager_table(data["benchmarks"]))
     print(transformers_table(data["benchmarks"]))
+    print(transformers_prefill_table(data["benchmarks"]))
     print(swap_table(data["benchmarks"]))
 
 
