@@ -1,4 +1,4 @@
-"""The bfloat16 dot-product tiles (pagekv.kernels._bf16_dot) against float64 on exact inputs.
+"""The dot-product tiles (pagekv.kernels._bf16_dot) against float64 on exact inputs.
 
 The tiles multiply bfloat16 numbers exactly and sum in float32, so on bfloat16 inputs they must
 match float64 to float32 summation error: any wrong lane, pair or row shows up as a large error.
@@ -21,16 +21,28 @@ STALE = 0x7FC0  # a bfloat16 NaN: what a page's unused rows may hold
 
 def _scores_harness():
     """A fresh (uncached) function that runs one query-key tile: compiled on its first call, so
-    it takes whatever code generation the tiles choose at that moment."""
-    def run(rows, tokens, q, k, scale, out, pf):
+    it takes whatever code generation the tiles choose at that moment. float32 rows take the
+    float32 tiles."""
+    def run(rows, tokens, q, k, scale, out, pf, float32):
         args = (q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1], scale,
                 out.ctypes.data, out.strides[0], pf)
         if rows == 4 and tokens == 4:
-            bf16.qk_4x4(*args)
+            if float32:
+                bf16.qk_f32_4x4(*args)
+            else:
+                bf16.qk_4x4(*args)
         elif rows == 4:
-            bf16.qk_4x1(*args)
+            if float32:
+                bf16.qk_f32_4x1(*args)
+            else:
+                bf16.qk_4x1(*args)
         elif tokens == 4:
-            bf16.qk_1x4(*args)
+            if float32:
+                bf16.qk_f32_1x4(*args)
+            else:
+                bf16.qk_1x4(*args)
+        elif float32:
+            bf16.qk_f32_1x1(*args)
         else:
             bf16.qk_1x1(*args)
     return njit(run)
@@ -75,8 +87,24 @@ def test_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
     rng = np.random.default_rng(seed)
     q, k = _bf16(rng, (rows, head_dim)), _padded_rows(rng, tokens, head_dim)
     out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
-    _SCORES(rows, tokens, q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _SCORES(rows, tokens, q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0, False)
     expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
+    np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
+    assert np.isnan(out[:, tokens:]).all()
+
+
+@given(st.sampled_from(list(QK_TILES)), st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]),
+       st.floats(0.01, 2.0), st.integers(0, 2**16), st.booleans())
+def test_float32_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
+    rows, tokens = tile
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((rows, head_dim)).astype(np.float32)
+    k = np.full((tokens, head_dim + 16), np.nan, np.float32)  # NaN gaps: no read past head_dim
+    k[:, :head_dim] = rng.standard_normal((tokens, head_dim))
+    k = k[:, :head_dim]
+    out = np.full((rows, 8), np.nan, np.float32)
+    _SCORES(rows, tokens, q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0, True)
+    expected = q.astype(np.float64) @ k.astype(np.float64).T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
 
@@ -130,7 +158,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
         monkeypatch.setattr(bf16, "HAS_AVX512_BF16", native)
         scores, values = _scores_harness(), _values_harness()  # compiled now, with this choice
         out, acc = np.zeros((4, 4), np.float32), acc0.copy()
-        scores(4, 4, q, k, np.float32(0.125), out, 0)
+        scores(4, 4, q, k, np.float32(0.125), out, 0, False)
         values(4, acc, v, packed, 15, 0)
         results.append((out, acc))
     np.testing.assert_array_equal(results[0][0], results[1][0])
