@@ -9,10 +9,12 @@ emits it, so the two inner loops are written here as IR:
 - ``qk_RxT`` — scores of R query rows against T key rows (a register tile of R x T
   accumulators, summed across lanes together at the end: one tree of shuffles for the whole tile,
   not one per dot product); ``qk_f32_RxT``, the same tile on float32 rows with FMAs, for the
-  compute-bound prefill of float32 caches;
+  compute-bound prefill of float32 caches (as is ``pv_f32_R`` below);
 - ``pv_R`` — R accumulator rows += probabilities x value rows, two tokens per instruction:
   the rows of tokens t and t + 1 are interleaved so each bfloat16 pair is (v[t, d], v[t + 1, d]),
-  and the probabilities arrive packed as (p[t], p[t + 1]) pairs.
+  and the probabilities arrive packed as (p[t], p[t + 1]) pairs; ``pv_f32_R``, float32 value rows
+  by FMAs, 4 chunks of 16 floats of R rows in registers across a page's tokens (Numba's loop
+  loaded and stored the accumulators every 4 tokens).
 
 Rows are taken 32 elements (one 512-bit register) at a time, and a last 16 zero-extended when
 head_dim % 32 == 16 (80, 112): head_dim must be a multiple of 16.
@@ -243,9 +245,11 @@ qk_4x4 = _make_qk_tile(4, 4)
 qk_4x1 = _make_qk_tile(4, 1)
 qk_1x4 = _make_qk_tile(1, 4)
 qk_1x1 = _make_qk_tile(1, 1)
-# The float32 tiles serve prefill only: there they are 15-23% faster than Numba's own loops (which
-# reduce each score's lanes alone), while in decode, memory-bound, they overlapped the prefetched
-# reads worse (S1/S2 float32 from memory 5-6% slower, from cache 14-19% faster).
+# The float32 tiles serve prefill only. There the score tiles were 7-29% faster than Numba's own
+# loops (which reduce each score's lanes alone) and the value tiles (below) made prefill 1.4-1.7x
+# faster in all (2K causal, head_dim 64/80/128); in decode, memory-bound, the score tiles
+# overlapped the prefetched reads worse (S1/S2 float32 from memory 5-6% slower, from cache
+# 14-19% faster).
 qk_f32_4x4 = _make_qk_tile(4, 4, float32=True)
 qk_f32_4x1 = _make_qk_tile(4, 1, float32=True)
 qk_f32_1x4 = _make_qk_tile(1, 4, float32=True)
@@ -399,6 +403,75 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
 
 pv_4 = _make_pv_tile(4)
 pv_1 = _make_pv_tile(1)
+
+F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
+
+
+def _make_pv_f32_tile(rows):
+    @intrinsic
+    def tile(typingctx, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
+             head_dim, pf_base):
+        signature = types.void(acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
+                               head_dim, pf_base)
+
+        def codegen(context, builder, sig, args):
+            acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf = args
+            sums = _zero_accumulators(builder, rows * F32_CHUNKS)
+
+            def acc_pointer(r, offset):
+                address = builder.add(builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r))),
+                                      offset)
+                return builder.inttoptr(address, _F32X16.as_pointer())
+
+            def chunks_at(offset, chunks):
+                """acc[:, chunks of 16 floats from byte offset] += p @ v, those accumulators in
+                registers across all num_tokens value rows."""
+                steps = [ir.Constant(_I64, c * LANES * 4) for c in range(chunks)]
+                for r in range(rows):
+                    for c in range(chunks):
+                        pointer = acc_pointer(r, builder.add(offset, steps[c]))
+                        builder.store(builder.load(pointer, align=4), sums[r * F32_CHUNKS + c])
+                with cgutils.for_range(builder, n) as loop:
+                    row = builder.add(builder.mul(v_step, loop.index), offset)
+                    values = []
+                    for c in range(chunks):
+                        _prefetch_if(builder, pf, builder.add(row, steps[c]))
+                        values.append(_load(builder, builder.add(v_first, builder.add(row, steps[c])), _F32X16))
+                    for r in range(rows):
+                        p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
+                                            builder.mul(loop.index, ir.Constant(_I64, 4)))
+                        prob = _splat(builder, builder.load(builder.inttoptr(builder.add(p_first, p_row),
+                                                                             _F32.as_pointer())))
+                        for c in range(chunks):
+                            s = sums[r * F32_CHUNKS + c]
+                            builder.store(_fma(builder, builder.load(s), values[c], prob), s)
+                for r in range(rows):
+                    for c in range(chunks):
+                        pointer = acc_pointer(r, builder.add(offset, steps[c]))
+                        builder.store(builder.load(sums[r * F32_CHUNKS + c]), pointer, align=4)
+
+            pass_bytes = ir.Constant(_I64, F32_CHUNKS * LANES * 4)
+            passes = builder.udiv(dims, ir.Constant(_I64, F32_CHUNKS * LANES))
+            with cgutils.for_range(builder, passes) as loop:
+                chunks_at(builder.mul(loop.index, pass_bytes), F32_CHUNKS)
+            left = builder.udiv(builder.urem(dims, ir.Constant(_I64, F32_CHUNKS * LANES)),
+                                ir.Constant(_I64, LANES))
+            for chunks in range(1, F32_CHUNKS):  # head_dim 80, 96, 112, ...: the last 1-3 chunks
+                with builder.if_then(builder.icmp_unsigned("==", left, ir.Constant(_I64, chunks))):
+                    chunks_at(builder.mul(passes, pass_bytes), chunks)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    tile.__doc__ = (f"acc[r] += sum over t < num_tokens of p[r, t] * v[t] for {rows} rows: float32 value "
+                    "rows (head_dim a multiple of 16), accumulators and probabilities (p + r * "
+                    "p_stride: row r's, one float32 per token); F32_CHUNKS chunks of each row per pass, "
+                    "held in registers across the tokens.")
+    return tile
+
+
+pv_f32_4 = _make_pv_f32_tile(4)
+pv_f32_1 = _make_pv_f32_tile(1)
 
 
 @intrinsic

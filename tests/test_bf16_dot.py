@@ -59,6 +59,16 @@ def _values_harness():
     return njit(run)
 
 
+@njit
+def _values_f32(rows, acc, v, p, num_tokens, pf):
+    args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], p.ctypes.data,
+            p.strides[0], num_tokens, v.shape[1], pf)
+    if rows == 4:
+        bf16.pv_f32_4(*args)
+    else:
+        bf16.pv_f32_1(*args)
+
+
 _SCORES = _scores_harness()
 _VALUES = _values_harness()
 
@@ -126,6 +136,24 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
     expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
     _VALUES(rows, acc, v, packed, num_tokens, v.ctypes.data)
+    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
+
+
+@given(st.sampled_from([4, 1]), st.sampled_from([16, 48, 64, 80, 96, 112, 128, 256, 272]),
+       st.integers(1, 16), st.integers(0, 2**16))
+def test_float32_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
+    """acc += p @ v over num_tokens float32 rows of a 16-row page whose other rows, the gaps after
+    each row and the probabilities past num_tokens hold NaN; head_dim 80-112 and 272 end in a
+    pass of 1-3 chunks."""
+    rng = np.random.default_rng(seed)
+    v = np.full((16, head_dim + 16), np.nan, np.float32)
+    v[:num_tokens, :head_dim] = rng.standard_normal((num_tokens, head_dim))
+    v = v[:, :head_dim]
+    p = np.full((rows, 16), np.nan, np.float32)
+    p[:, :num_tokens] = rng.random((rows, num_tokens))
+    acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
+    expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v[:num_tokens].astype(np.float64)
+    _values_f32(rows, acc, v, p, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
