@@ -130,44 +130,46 @@ def manager_table(benchmarks):
     return "\n".join(lines)
 
 
-def transformers_table(benchmarks):
-    rows = [b for b in benchmarks if b["extra_info"].get("kind") == "transformers"]
-    if not rows:
-        return ""
+def _times_and_pairs(benchmarks, kind, key):
+    """Median ms per (key fields) and implementation, and the paired sdpa ÷ pagekv ratios, of the
+    transformers cases of ``kind``."""
     ms, paired = defaultdict(dict), {}
-    for bench in rows:
+    for bench in benchmarks:
         info = bench["extra_info"]
-        ms[(info["batch"], info["context"])][info["impl"]] = bench["stats"]["median"] * 1e3
+        if info.get("kind") != kind:
+            continue
+        ms[tuple(info[k] for k in key)][info["impl"]] = bench["stats"]["median"] * 1e3
         if "sdpa_over_pagekv" in info:
-            paired[(info["batch"], info["context"])] = info["sdpa_over_pagekv"]
+            paired[tuple(info[k] for k in key)] = info["sdpa_over_pagekv"]
+    return ms, paired
+
+
+def _paired_cell(paired, key):
+    return f"{paired[key]:.2f}× |" if key in paired else "— |"
+
+
+def transformers_table(benchmarks):
+    ms, paired = _times_and_pairs(benchmarks, "transformers", ("batch", "context"))
+    if not ms:
+        return ""
     lines = ["| batch | context | pagekv ms/token | sdpa + DynamicCache ms/token | sdpa ÷ pagekv "
              "| sdpa ÷ pagekv, paired rounds |",
              "|---|---|---|---|---|---|"]
     for (batch, context), impls in sorted(ms.items()):
-        both = paired.get((batch, context))
         lines.append(f"| {batch} | {context} | {impls['pagekv']:.2f} | {impls['sdpa']:.2f} "
-                     f"| {impls['sdpa'] / impls['pagekv']:.2f}× | "
-                     + (f"{both:.2f}× |" if both is not None else "— |"))
+                     f"| {impls['sdpa'] / impls['pagekv']:.2f}× | " + _paired_cell(paired, (batch, context)))
     return "\n".join(lines)
 
 
 def transformers_prefill_table(benchmarks):
-    rows = [b for b in benchmarks if b["extra_info"].get("kind") == "transformers prefill"]
-    if not rows:
+    ms, paired = _times_and_pairs(benchmarks, "transformers prefill", ("dtype", "context"))
+    if not ms:
         return ""
-    ms, paired = defaultdict(dict), {}
-    for bench in rows:
-        info = bench["extra_info"]
-        ms[(info["dtype"], info["context"])][info["impl"]] = bench["stats"]["median"] * 1e3
-        if "sdpa_over_pagekv" in info:
-            paired[(info["dtype"], info["context"])] = info["sdpa_over_pagekv"]
     lines = ["| dtype | prompt tokens | pagekv ms | sdpa + DynamicCache ms | sdpa ÷ pagekv "
              "| sdpa ÷ pagekv, paired rounds |", "|---|---|---|---|---|---|"]
     for (dtype, context), impls in sorted(ms.items()):
-        both = paired.get((dtype, context))
         lines.append(f"| {dtype} | {context} | {impls['pagekv']:.0f} | {impls['sdpa']:.0f} "
-                     f"| {impls['sdpa'] / impls['pagekv']:.2f}× | "
-                     + (f"{both:.2f}× |" if both is not None else "— |"))
+                     f"| {impls['sdpa'] / impls['pagekv']:.2f}× | " + _paired_cell(paired, (dtype, context)))
     return "\n".join(lines)
 
 

@@ -264,7 +264,9 @@ def _interleave(builder, v0, v1, width):
     return [builder.shuffle_vector(v0, v1, ir.Constant(ir.VectorType(_I32, PAIRS), mask)) for mask in masks]
 
 
-def _make_pv_tile(rows):
+def _make_pv_tile(rows, *, float32=False):
+    """A value tile of ``rows`` accumulator rows: bfloat16 value rows by vdpbf16ps with packed
+    probability pairs, or float32 rows and probabilities by FMAs with ``float32=True``."""
     @intrinsic
     def tile(typingctx, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
              head_dim, pf_base):
@@ -272,6 +274,9 @@ def _make_pv_tile(rows):
                                head_dim, pf_base)
 
         def codegen(context, builder, sig, args):
+            if float32:
+                _values_f32(builder, rows, *args)
+                return context.get_dummy_value()
             acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf = args
             sums = _zero_accumulators(builder, 2 * rows)
             num_pairs = builder.lshr(n, ir.Constant(_I64, 1))
@@ -335,9 +340,11 @@ def _make_pv_tile(rows):
 
         return signature, codegen
 
-    tile.__doc__ = (f"acc[r] += sum over t < num_tokens of p[r, t] * v[t] for {rows} rows: bfloat16 "
-                    "value rows (head_dim a multiple of 16), float32 accumulators, probabilities "
-                    "packed as bfloat16 pairs.")
+    tile.__doc__ = (f"acc[r] += sum over t < num_tokens of p[r, t] * v[t] for {rows} rows: "
+                    + ("float32 value rows (head_dim a multiple of 16) and probabilities, one per "
+                       "token." if float32 else
+                       "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators, "
+                       "probabilities packed as bfloat16 pairs."))
     return tile
 
 
@@ -407,71 +414,53 @@ pv_1 = _make_pv_tile(1)
 F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
 
 
-def _make_pv_f32_tile(rows):
-    @intrinsic
-    def tile(typingctx, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
-             head_dim, pf_base):
-        signature = types.void(acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
-                               head_dim, pf_base)
+def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf):
+    """acc += p @ v for ``rows`` accumulator rows of float32: F32_CHUNKS chunks of 16 floats of
+    each row per pass, held in registers across all n value rows (then head_dim's last 1-3
+    chunks); the probabilities are float32, one per token (p_first + r * p_step: row r's)."""
+    sums = _zero_accumulators(builder, rows * F32_CHUNKS)
 
-        def codegen(context, builder, sig, args):
-            acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf = args
-            sums = _zero_accumulators(builder, rows * F32_CHUNKS)
+    def acc_pointer(r, offset):
+        address = builder.add(builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r))), offset)
+        return builder.inttoptr(address, _F32X16.as_pointer())
 
-            def acc_pointer(r, offset):
-                address = builder.add(builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r))),
-                                      offset)
-                return builder.inttoptr(address, _F32X16.as_pointer())
+    def chunks_at(offset, chunks):
+        steps = [ir.Constant(_I64, c * LANES * 4) for c in range(chunks)]
+        for r in range(rows):
+            for c in range(chunks):
+                pointer = acc_pointer(r, builder.add(offset, steps[c]))
+                builder.store(builder.load(pointer, align=4), sums[r * F32_CHUNKS + c])
+        with cgutils.for_range(builder, n) as loop:
+            row = builder.add(builder.mul(v_step, loop.index), offset)
+            values = []
+            for c in range(chunks):
+                _prefetch_if(builder, pf, builder.add(row, steps[c]))
+                values.append(_load(builder, builder.add(v_first, builder.add(row, steps[c])), _F32X16))
+            for r in range(rows):
+                p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
+                                    builder.mul(loop.index, ir.Constant(_I64, 4)))
+                prob = _splat(builder, builder.load(builder.inttoptr(builder.add(p_first, p_row),
+                                                                     _F32.as_pointer())))
+                for c in range(chunks):
+                    s = sums[r * F32_CHUNKS + c]
+                    builder.store(_fma(builder, builder.load(s), values[c], prob), s)
+        for r in range(rows):
+            for c in range(chunks):
+                pointer = acc_pointer(r, builder.add(offset, steps[c]))
+                builder.store(builder.load(sums[r * F32_CHUNKS + c]), pointer, align=4)
 
-            def chunks_at(offset, chunks):
-                """acc[:, chunks of 16 floats from byte offset] += p @ v, those accumulators in
-                registers across all num_tokens value rows."""
-                steps = [ir.Constant(_I64, c * LANES * 4) for c in range(chunks)]
-                for r in range(rows):
-                    for c in range(chunks):
-                        pointer = acc_pointer(r, builder.add(offset, steps[c]))
-                        builder.store(builder.load(pointer, align=4), sums[r * F32_CHUNKS + c])
-                with cgutils.for_range(builder, n) as loop:
-                    row = builder.add(builder.mul(v_step, loop.index), offset)
-                    values = []
-                    for c in range(chunks):
-                        _prefetch_if(builder, pf, builder.add(row, steps[c]))
-                        values.append(_load(builder, builder.add(v_first, builder.add(row, steps[c])), _F32X16))
-                    for r in range(rows):
-                        p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
-                                            builder.mul(loop.index, ir.Constant(_I64, 4)))
-                        prob = _splat(builder, builder.load(builder.inttoptr(builder.add(p_first, p_row),
-                                                                             _F32.as_pointer())))
-                        for c in range(chunks):
-                            s = sums[r * F32_CHUNKS + c]
-                            builder.store(_fma(builder, builder.load(s), values[c], prob), s)
-                for r in range(rows):
-                    for c in range(chunks):
-                        pointer = acc_pointer(r, builder.add(offset, steps[c]))
-                        builder.store(builder.load(sums[r * F32_CHUNKS + c]), pointer, align=4)
-
-            pass_bytes = ir.Constant(_I64, F32_CHUNKS * LANES * 4)
-            passes = builder.udiv(dims, ir.Constant(_I64, F32_CHUNKS * LANES))
-            with cgutils.for_range(builder, passes) as loop:
-                chunks_at(builder.mul(loop.index, pass_bytes), F32_CHUNKS)
-            left = builder.udiv(builder.urem(dims, ir.Constant(_I64, F32_CHUNKS * LANES)),
-                                ir.Constant(_I64, LANES))
-            for chunks in range(1, F32_CHUNKS):  # head_dim 80, 96, 112, ...: the last 1-3 chunks
-                with builder.if_then(builder.icmp_unsigned("==", left, ir.Constant(_I64, chunks))):
-                    chunks_at(builder.mul(passes, pass_bytes), chunks)
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    tile.__doc__ = (f"acc[r] += sum over t < num_tokens of p[r, t] * v[t] for {rows} rows: float32 value "
-                    "rows (head_dim a multiple of 16), accumulators and probabilities (p + r * "
-                    "p_stride: row r's, one float32 per token); F32_CHUNKS chunks of each row per pass, "
-                    "held in registers across the tokens.")
-    return tile
+    pass_bytes = ir.Constant(_I64, F32_CHUNKS * LANES * 4)
+    passes = builder.udiv(dims, ir.Constant(_I64, F32_CHUNKS * LANES))
+    with cgutils.for_range(builder, passes) as loop:
+        chunks_at(builder.mul(loop.index, pass_bytes), F32_CHUNKS)
+    left = builder.udiv(builder.urem(dims, ir.Constant(_I64, F32_CHUNKS * LANES)), ir.Constant(_I64, LANES))
+    for chunks in range(1, F32_CHUNKS):  # head_dim 80, 96, 112, ...: the last 1-3 chunks
+        with builder.if_then(builder.icmp_unsigned("==", left, ir.Constant(_I64, chunks))):
+            chunks_at(builder.mul(passes, pass_bytes), chunks)
 
 
-pv_f32_4 = _make_pv_f32_tile(4)
-pv_f32_1 = _make_pv_f32_tile(1)
+pv_f32_4 = _make_pv_tile(4, float32=True)
+pv_f32_1 = _make_pv_tile(1, float32=True)
 
 
 @intrinsic

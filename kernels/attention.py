@@ -225,47 +225,35 @@ def _page_scores_tiled(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, c
 
 
 @njit(inline="always", **_JIT)
-def _page_accumulate_bf16(packed, r0, num_rows, col, vc, vp, vh, num_tokens, acc, pf_cache, pf_page,
-                          pf_head):
-    """:func:`_page_accumulate` for bfloat16 pages (head_dim a multiple of 16, col even) by
-    vdpbf16ps tiles of 4 accumulator rows (1 for rows left over), two tokens per instruction.
+def _page_accumulate_tiled(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, pf_cache, pf_page,
+                           pf_head, float32):
+    """:func:`_page_accumulate` by register tiles of 4 accumulator rows (1 for rows left over),
+    head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (``float32``
+    False; col even), or float32 pages by FMAs (``float32`` True).
 
-    packed : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`.
+    probs : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`, or float32
+    [rows, cols], the probabilities themselves (the scores array).
     """
     head_dim = vc.shape[3]
     block = block_address(vc, vp, vh)
     ahead = block_address(pf_cache, pf_page, pf_head)
-    a_row, p_row = acc.strides[0], packed.strides[0]
+    a_row, p_row = acc.strides[0], probs.strides[0]
+    first_prob = col * 4 if float32 else (col // 2) * 4
     r = r0
     while r < r0 + num_rows:
         pf = ahead if r == r0 else 0
-        a, p = acc.ctypes.data + r * a_row, packed.ctypes.data + r * p_row + (col // 2) * 4
+        a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
         if r + 4 <= r0 + num_rows:
-            bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+            if float32:
+                bf16.pv_f32_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+            else:
+                bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
             r += 4
         else:
-            bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
-            r += 1
-
-
-@njit(inline="always", **_JIT)
-def _page_accumulate_f32(scores, r0, num_rows, col, vc, vp, vh, num_tokens, acc, pf_cache, pf_page,
-                         pf_head):
-    """:func:`_page_accumulate` for float32 pages (head_dim a multiple of 16) by FMA tiles of 4
-    accumulator rows (1 for rows left over), the accumulators in registers across the page."""
-    head_dim = vc.shape[3]
-    block = block_address(vc, vp, vh)
-    ahead = block_address(pf_cache, pf_page, pf_head)
-    a_row, p_row = acc.strides[0], scores.strides[0]
-    r = r0
-    while r < r0 + num_rows:
-        pf = ahead if r == r0 else 0
-        a, p = acc.ctypes.data + r * a_row, scores.ctypes.data + r * p_row + col * 4
-        if r + 4 <= r0 + num_rows:
-            bf16.pv_f32_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
-            r += 4
-        else:
-            bf16.pv_f32_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+            if float32:
+                bf16.pv_f32_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+            else:
+                bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
             r += 1
 
 
@@ -476,9 +464,9 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                             block_table, seq, p, head, num_kv_heads, first, last, page_end,
                             chunk_pages, True, prefetch_blocks)
                         if dots:
-                            _page_accumulate_bf16(packed, head * group, group, (p - first) * page_size,
-                                                  v_cache, page, head, num_tokens, acc,
-                                                  v_cache if in_v else k_cache, pf_page, pf_head)
+                            _page_accumulate_tiled(packed, head * group, group, (p - first) * page_size,
+                                                   v_cache, page, head, num_tokens, acc,
+                                                   v_cache if in_v else k_cache, pf_page, pf_head, False)
                         else:
                             _page_accumulate(scores, head * group, group, (p - first) * page_size,
                                              v_cache, page, head, kv_format, num_tokens, acc,
@@ -590,13 +578,13 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                                                     chunk_pages, True, prefetch_blocks)
                     num_tokens = min(page_size, seq_len - p * page_size)
                     if dots:
-                        _page_accumulate_bf16(packed, 0, num_rows, (p - first) * page_size, v_cache,
-                                              block_table[seq, p], head, num_tokens, acc,
-                                              v_cache if in_v else k_cache, pf_page, head)
+                        _page_accumulate_tiled(packed, 0, num_rows, (p - first) * page_size, v_cache,
+                                               block_table[seq, p], head, num_tokens, acc,
+                                               v_cache if in_v else k_cache, pf_page, head, False)
                     elif f32_tiles:
-                        _page_accumulate_f32(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                             block_table[seq, p], head, num_tokens, acc,
-                                             v_cache if in_v else k_cache, pf_page, head)
+                        _page_accumulate_tiled(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                               block_table[seq, p], head, num_tokens, acc,
+                                               v_cache if in_v else k_cache, pf_page, head, True)
                     else:
                         _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
                                          block_table[seq, p], head, kv_format, num_tokens, acc,

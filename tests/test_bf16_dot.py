@@ -49,24 +49,20 @@ def _scores_harness():
 
 
 def _values_harness():
-    def run(rows, acc, v, packed, num_tokens, pf):
-        args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], packed.ctypes.data,
-                packed.strides[0], num_tokens, v.shape[1], pf)
-        if rows == 4:
+    """Runs one value tile, compiled on first call; float32 rows (and probabilities) take the
+    float32 tiles, bfloat16 rows the packed probabilities."""
+    def run(rows, acc, v, probs, num_tokens, pf, float32):
+        args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], probs.ctypes.data,
+                probs.strides[0], num_tokens, v.shape[1], pf)
+        if rows == 4 and float32:
+            bf16.pv_f32_4(*args)
+        elif rows == 4:
             bf16.pv_4(*args)
+        elif float32:
+            bf16.pv_f32_1(*args)
         else:
             bf16.pv_1(*args)
     return njit(run)
-
-
-@njit
-def _values_f32(rows, acc, v, p, num_tokens, pf):
-    args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], p.ctypes.data,
-            p.strides[0], num_tokens, v.shape[1], pf)
-    if rows == 4:
-        bf16.pv_f32_4(*args)
-    else:
-        bf16.pv_f32_1(*args)
 
 
 _SCORES = _scores_harness()
@@ -135,7 +131,7 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
     expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
-    _VALUES(rows, acc, v, packed, num_tokens, v.ctypes.data)
+    _VALUES(rows, acc, v, packed, num_tokens, v.ctypes.data, False)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -153,7 +149,7 @@ def test_float32_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, n
     p[:, :num_tokens] = rng.random((rows, num_tokens))
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v[:num_tokens].astype(np.float64)
-    _values_f32(rows, acc, v, p, num_tokens, v.ctypes.data)
+    _VALUES(rows, acc, v, p, num_tokens, v.ctypes.data, True)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -187,7 +183,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
         scores, values = _scores_harness(), _values_harness()  # compiled now, with this choice
         out, acc = np.zeros((4, 4), np.float32), acc0.copy()
         scores(4, 4, q, k, np.float32(0.125), out, 0, False)
-        values(4, acc, v, packed, 15, 0)
+        values(4, acc, v, packed, 15, 0, False)
         results.append((out, acc))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
