@@ -214,5 +214,5 @@ def streaming_read(num_bytes=1 << 29):
 
     threads.start()  # as pagekv's own calls start Numba's threads (a torch imported later must not nest)
     data = np.ones(num_bytes // 4, np.float32)
-    threads = numba.get_num_threads()
-    return lambda: stream_sum(data, threads), data.nbytes
+    num_threads = numba.get_num_threads()
+    return lambda: stream_sum(data, num_threads), data.nbytes

@@ -89,6 +89,10 @@ def attention_tables(benchmarks):
     return "\n".join(lines)
 
 
+def _paired_cell(paired, key):
+    return f"{paired[key]:.2f}× |" if key in paired else "— |"
+
+
 def prefill_table(benchmarks):
     cases, paired = defaultdict(dict), {}
     for bench in benchmarks:
@@ -104,10 +108,9 @@ def prefill_table(benchmarks):
              "| SDPA ÷ pagekv time | same, paired rounds |", "|---|---|---|---|---|---|---|"]
     for (shape, dtype, q_tokens), gflops in sorted(cases.items()):
         sdpa = gflops.get("torch sdpa (dense)")
-        both = paired.get((shape, dtype, q_tokens))
         lines.append(f"| {shape} | {dtype} | {q_tokens} | {gflops['pagekv']:.0f} | "
                      + (f"{sdpa:.0f} | {gflops['pagekv'] / sdpa:.2f}× | " if sdpa else "— | — | ")
-                     + (f"{both:.2f}× |" if both is not None else "— |"))
+                     + _paired_cell(paired, (shape, dtype, q_tokens)))
     return "\n".join(lines)
 
 
@@ -142,10 +145,6 @@ def _times_and_pairs(benchmarks, kind, key):
         if "sdpa_over_pagekv" in info:
             paired[tuple(info[k] for k in key)] = info["sdpa_over_pagekv"]
     return ms, paired
-
-
-def _paired_cell(paired, key):
-    return f"{paired[key]:.2f}× |" if key in paired else "— |"
 
 
 def transformers_table(benchmarks):

@@ -200,21 +200,24 @@ def _make_qk_tile(rows, tokens, *, float32=False):
         def codegen(context, builder, sig, args):
             q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, pf = args
             sums = _zero_accumulators(builder, rows * tokens)
+            dot = _fma if float32 else _dot_pairs
 
             def multiply(offset, width):
+                def load(address):
+                    if float32:
+                        return _load(builder, address, _F32X16)
+                    return _load_bf16(builder, address, width)
+
                 keys = []
                 for t in range(tokens):
                     row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), offset)
-                    address = builder.add(k_first, row)
-                    keys.append(_load(builder, address, _F32X16) if float32 else _load_bf16(builder, address, width))
+                    keys.append(load(builder.add(k_first, row)))
                     _prefetch_if(builder, pf, row)  # this row's line of the block ahead
                 for r in range(rows):
                     row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
-                    address = builder.add(q_first, row)
-                    query = _load(builder, address, _F32X16) if float32 else _load_bf16(builder, address, width)
+                    query = load(builder.add(q_first, row))
                     for t, key in enumerate(keys):
                         s = sums[r * tokens + t]
-                        dot = _fma if float32 else _dot_pairs
                         builder.store(dot(builder, builder.load(s), query, key), s)
 
             if float32:  # 16 floats (64 bytes) per chunk
@@ -247,9 +250,8 @@ qk_1x4 = _make_qk_tile(1, 4)
 qk_1x1 = _make_qk_tile(1, 1)
 # The float32 tiles serve prefill only. There the score tiles were 7-29% faster than Numba's own
 # loops (which reduce each score's lanes alone) and the value tiles (below) made prefill 1.4-1.7x
-# faster in all (2K causal, head_dim 64/80/128); in decode, memory-bound, the score tiles
-# overlapped the prefetched reads worse (S1/S2 float32 from memory 5-6% slower, from cache
-# 14-19% faster).
+# faster in all (2K causal, head_dim 64/80/128); in decode, memory-bound, either tile overlapped
+# the prefetched reads worse (S1/S2 float32 from memory 5-6% slower, from cache 14-27% faster).
 qk_f32_4x4 = _make_qk_tile(4, 4, float32=True)
 qk_f32_4x1 = _make_qk_tile(4, 1, float32=True)
 qk_f32_1x4 = _make_qk_tile(1, 4, float32=True)

@@ -395,7 +395,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
                              f"got {array.shape}")
         if x_kind != kind:
             converted = np.empty(array.shape, kc.dtype)
-            _from_float32(np.ascontiguousarray(_to_float32(array, x_kind)), kind, converted)
+            _from_float32(_to_float32(array, x_kind), kind, converted)
             array = converted
         new.append(array)
     if slots.size and slots.max() >= num_pages * page_size:
