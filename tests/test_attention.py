@@ -105,6 +105,24 @@ def test_prefill_matches_reference(problem, data):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 80), (17, 128), (64, 256)])
+def test_mha_float32_decode_matches_reference(page_size, head_dim):
+    """One query head per KV head over float32 pages takes decode's FMA tiles (kernels/attention.py):
+    odd page sizes, pages ending mid-way, every head_dim chunk count, with the masking options."""
+    rng = np.random.default_rng(page_size)
+    kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=3, head_dim=head_dim, page_size=page_size,
+                 kind="float32")
+    q = rng.standard_normal((4, 3, head_dim)).astype(np.float32)
+    for options in ({}, {"sliding_window": 40, "logits_soft_cap": 5.0,
+                         "alibi_slopes": np.array([0.5, 0.25, 0.125], np.float32)}):
+        out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                    return_lse=True, **options)
+        expected, expected_lse = reference.decode(q.astype(np.float64), kv.k64, kv.v64,
+                                                  kv.block_table, kv.seq_lens, **options)
+        assert relative_error(out, expected) <= TOLERANCE["float32"]
+        np.testing.assert_allclose(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16"])
 def test_prefetch_changes_no_result(kind):
     """Prefetch only moves data closer: outputs are bit-identical off, on, and at any distance
