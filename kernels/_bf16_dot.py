@@ -156,10 +156,12 @@ def _zero_accumulators(builder, count):
     return [cgutils.alloca_once_value(builder, ir.Constant(_F32X16, [0.0] * LANES)) for _ in range(count)]
 
 
-def _prefetch_if(builder, pf_base, offset):
-    """Prefetch pf_base + offset unless pf_base is 0 (no block to prefetch)."""
-    with builder.if_then(builder.icmp_unsigned("!=", pf_base, ir.Constant(pf_base.type, 0))):
-        emit_prefetch(builder, builder.add(pf_base, offset))
+def _prefetch_if(builder, blocks, offset):
+    """Prefetch block + offset for each of the two block addresses (far ahead, and again nearer:
+    kernels/prefetch.py) that is not 0 (no block to prefetch)."""
+    for block in blocks:
+        with builder.if_then(builder.icmp_unsigned("!=", block, ir.Constant(block.type, 0))):
+            emit_prefetch(builder, builder.add(block, offset))
 
 
 def _load_bf16(builder, address, width):
@@ -193,12 +195,14 @@ def _make_qk_tile(rows, tokens, *, float32=False):
     """A tile of rows x tokens scores: bfloat16 rows by vdpbf16ps, or float32 rows (head_dim a
     multiple of 16) by FMAs with ``float32=True``."""
     @intrinsic
-    def tile(typingctx, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride, pf_base):
+    def tile(typingctx, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride, pf_base,
+             again_base):
         signature = types.void(q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
-                               pf_base)
+                               pf_base, again_base)
 
         def codegen(context, builder, sig, args):
-            q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, pf = args
+            q_first, q_step, k_first, k_step, dims, factor, out_base, out_step = args[:8]
+            pf = args[8:]
             sums = _zero_accumulators(builder, rows * tokens)
             dot = _fma if float32 else _dot_pairs
 
@@ -212,7 +216,7 @@ def _make_qk_tile(rows, tokens, *, float32=False):
                 for t in range(tokens):
                     row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), offset)
                     keys.append(load(builder.add(k_first, row)))
-                    _prefetch_if(builder, pf, row)  # this row's line of the block ahead
+                    _prefetch_if(builder, pf, row)  # this row's line of the blocks ahead
                 for r in range(rows):
                     row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
                     query = load(builder.add(q_first, row))
@@ -240,7 +244,8 @@ def _make_qk_tile(rows, tokens, *, float32=False):
 
     tile.__doc__ = (f"Scores of {rows} query rows against {tokens} consecutive key rows "
                     f"({'float32' if float32 else 'bfloat16 bits'}, head_dim a multiple of 16), times "
-                    "scale: out + r * out_stride holds row r's.")
+                    "scale: out + r * out_stride holds row r's. The same rows of the blocks at "
+                    "pf_base and again_base are prefetched (0: none).")
     return tile
 
 
@@ -274,15 +279,16 @@ def _make_pv_tile(rows, *, float32=False):
     probability pairs, or float32 rows and probabilities by FMAs with ``float32=True``."""
     @intrinsic
     def tile(typingctx, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
-             head_dim, pf_base):
+             head_dim, pf_base, again_base):
         signature = types.void(acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
-                               head_dim, pf_base)
+                               head_dim, pf_base, again_base)
 
         def codegen(context, builder, sig, args):
             if float32:
-                _values_f32(builder, rows, *args)
+                _values_f32(builder, rows, *args[:8], args[8:])
                 return context.get_dummy_value()
-            acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf = args
+            acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
+            pf = args[8:]
             sums = _zero_accumulators(builder, 2 * rows)
             num_pairs = builder.lshr(n, ir.Constant(_I64, 1))
 
@@ -349,13 +355,15 @@ def _make_pv_tile(rows, *, float32=False):
                     + ("float32 value rows (head_dim a multiple of 16) and probabilities, one per "
                        "token." if float32 else
                        "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators, "
-                       "probabilities packed as bfloat16 pairs."))
+                       "probabilities packed as bfloat16 pairs.")
+                    + " The same rows of the blocks at pf_base and again_base are prefetched (0: none).")
     return tile
 
 
 def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf):
     """acc += p @ v for one accumulator row, value rows in memory order (all chunks of a row pair,
-    then the next pair), the accumulator row in ROW_REGISTERS registers (head_dim <= 256)."""
+    then the next pair), the accumulator row in ROW_REGISTERS registers (head_dim <= 256); pf:
+    the addresses of the blocks to prefetch."""
     sums = _zero_accumulators(builder, ROW_REGISTERS)  # allocas with constant indices: registers
     full = builder.lshr(dims, ir.Constant(_I64, 5))
     tail = builder.icmp_unsigned("!=", builder.and_(dims, ir.Constant(_I64, LANES)), ir.Constant(_I64, 0))
@@ -422,7 +430,8 @@ F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value t
 def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf):
     """acc += p @ v for ``rows`` accumulator rows of float32: F32_CHUNKS chunks of 16 floats of
     each row per pass, held in registers across all n value rows (then head_dim's last 1-3
-    chunks); the probabilities are float32, one per token (p_first + r * p_step: row r's)."""
+    chunks); the probabilities are float32, one per token (p_first + r * p_step: row r's); pf:
+    the addresses of the blocks to prefetch."""
     sums = _zero_accumulators(builder, rows * F32_CHUNKS)
 
     def acc_pointer(r, offset):

@@ -19,7 +19,8 @@ How the work is shaped:
   parallel loop runs over slots, so no thread waits for another's long sequence.
 - While a block (one page of one KV head) is read, the block a fixed distance ahead in the item's
   visit order is prefetched into L2, a few lines per token row (kernels/prefetch.py says why: it
-  took S1 decode from ~50% to ~80% of the streaming-read bandwidth).
+  took S1 decode from ~50% to ~80% of the streaming-read bandwidth); decode's tiles ask again for
+  a nearer block, as the CPU drops some prefetches (S1/S2 bfloat16 then read ~85%).
 - bfloat16 pages (head_dim a multiple of 16, even page size) multiply in bfloat16 with
   ``vdpbf16ps`` tiles (kernels/_bf16_dot.py): the queries and the probabilities are rounded to
   bfloat16 once, the sums stay float32. In float32 math the bfloat16 loops were bound by the
@@ -55,22 +56,22 @@ _JIT: dict[str, Any] = dict(cache=True, fastmath=FASTMATH, error_model="numpy", 
 
 
 @njit(**_JIT)
-def _page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, col, pf_cache, pf_page,
-                 pf_head):
+def _page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, col, ahead):
     """scores[r0 + r, col + t] = qs[r0 + r] . kc[kp, kh, t] for the page's tokens.
 
     Register blocking, so the loop is bound by multiply-adds rather than loads: four query rows
     times two key rows share each load (8 accumulators; 1.27x the speed of four rows times one key,
     from cache on S1); rows left over take four key rows at a time. While reading key rows t..,
-    the same rows of block ``pf_cache[pf_page, pf_head]`` are prefetched (pf_page < 0: none), once.
+    the same rows of the block at address ``ahead`` are prefetched (0: none), once. (Asking again
+    nearer, as the tiles do, read 0.5-1.9% faster from memory here but cost 9-13% from cache.)
     """
     head_dim = qs.shape[1]
     r = r0
     while r + 4 <= r0 + num_rows:
-        pf = pf_page if r == r0 else -1
+        pf = ahead if r == r0 else 0
         t = 0
         while t + 2 <= num_tokens:
-            _prefetch_rows(pf_cache, pf, pf_head, t, 2)
+            _prefetch_rows(pf, kc.strides[2], t, 2)
             s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
             for d in range(head_dim):
                 k0 = load_f32(kc, kp, kh, t, d, kv_format)
@@ -90,7 +91,7 @@ def _page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, co
             scores[r + 3, col + t], scores[r + 3, col + t + 1] = s30, s31
             t += 2
         if t < num_tokens:  # an odd number of tokens: the last key row
-            _prefetch_rows(pf_cache, pf, pf_head, t, 1)
+            _prefetch_rows(pf, kc.strides[2], t, 1)
             s0 = s1 = s2 = s3 = np.float32(0.0)
             for d in range(head_dim):
                 k = load_f32(kc, kp, kh, t, d, kv_format)
@@ -102,10 +103,10 @@ def _page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, co
             scores[r + 2, col + t], scores[r + 3, col + t] = s2, s3
         r += 4
     for r in range(r, r0 + num_rows):
-        pf = pf_page if r == r0 else -1
+        pf = ahead if r == r0 else 0
         t = 0
         while t + 4 <= num_tokens:
-            _prefetch_rows(pf_cache, pf, pf_head, t, 4)
+            _prefetch_rows(pf, kc.strides[2], t, 4)
             s0 = s1 = s2 = s3 = np.float32(0.0)
             for d in range(head_dim):
                 q = qs[r, d]
@@ -117,7 +118,7 @@ def _page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, co
             scores[r, col + t + 2], scores[r, col + t + 3] = s2, s3
             t += 4
         for t in range(t, num_tokens):
-            _prefetch_rows(pf_cache, pf, pf_head, t, 1)
+            _prefetch_rows(pf, kc.strides[2], t, 1)
             s = np.float32(0.0)
             for d in range(head_dim):
                 s += qs[r, d] * load_f32(kc, kp, kh, t, d, kv_format)
@@ -125,8 +126,7 @@ def _page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, co
 
 
 @njit(**_JIT)
-def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_tokens, acc, pf_cache,
-                     pf_page, pf_head):
+def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_tokens, acc, ahead):
     """acc[r0 + r] += sum over t of scores[r0 + r, col + t] * vc[vp, vh, t].
 
     Four value rows per pass over four accumulator rows at once: each value load feeds four
@@ -137,10 +137,10 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
     head_dim = acc.shape[1]
     r = r0
     while r + 4 <= r0 + num_rows:
-        pf = pf_page if r == r0 else -1
+        pf = ahead if r == r0 else 0
         t = 0
         while t + 4 <= num_tokens:
-            _prefetch_rows(pf_cache, pf, pf_head, t, 4)
+            _prefetch_rows(pf, vc.strides[2], t, 4)
             c = col + t
             a0, a1, a2, a3 = scores[r, c], scores[r, c + 1], scores[r, c + 2], scores[r, c + 3]
             b0, b1, b2, b3 = scores[r + 1, c], scores[r + 1, c + 1], scores[r + 1, c + 2], scores[r + 1, c + 3]
@@ -158,10 +158,10 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
             t += 4
         r += 4
     for r in range(r, r0 + num_rows):
-        pf = pf_page if r == r0 else -1
+        pf = ahead if r == r0 else 0
         t = 0
         while t + 4 <= num_tokens:
-            _prefetch_rows(pf_cache, pf, pf_head, t, 4)
+            _prefetch_rows(pf, vc.strides[2], t, 4)
             c = col + t
             p0, p1, p2, p3 = scores[r, c], scores[r, c + 1], scores[r, c + 2], scores[r, c + 3]
             for d in range(head_dim):
@@ -171,7 +171,7 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
                      + p3 * load_f32(vc, vp, vh, t + 3, d, kv_format))
             t += 4
     for t in range(num_tokens - num_tokens % 4, num_tokens):  # the last tokens, every row
-        _prefetch_rows(pf_cache, pf_page, pf_head, t, 1)
+        _prefetch_rows(ahead, vc.strides[2], t, 1)
         for r in range(r0, r0 + num_rows):
             p = scores[r, col + t]
             for d in range(head_dim):
@@ -179,20 +179,19 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
 
 
 @njit(inline="always", **_JIT)
-def _page_scores_tiled(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, pf_cache,
-                       pf_page, pf_head, float32):
+def _page_scores_tiled(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again,
+                       float32):
     """:func:`_page_scores` by register tiles (kernels/_bf16_dot.py), head_dim a multiple of 16:
     bfloat16 pages by vdpbf16ps (``float32`` False), or float32 pages by FMAs (``float32`` True).
 
     q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled, or float32; the
     scores are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the page's last
-    num_tokens % 4 keys and the rows left over take narrower tiles. Each key row's line of the
-    block ahead is prefetched by the first row tile.
+    num_tokens % 4 keys and the rows left over take narrower tiles. Each key row's lines of the
+    blocks at addresses ``ahead`` and ``again`` (0: none) are prefetched by the first row tile.
     """
     head_dim = kc.shape[3]
     k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
     block = block_address(kc, kp, kh)
-    ahead = block_address(pf_cache, pf_page, pf_head)
     r = r0
     while r < r0 + num_rows:
         four_rows = r + 4 <= r0 + num_rows
@@ -200,61 +199,63 @@ def _page_scores_tiled(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, c
         out = scores.ctypes.data + r * s_row + col * 4
         for t in range(0, num_tokens, 4):
             pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
+            pf_again = again + t * k_row if (again != 0 and r == r0) else 0
             k_t, out_t = block + t * k_row, out + t * 4
             if t + 4 <= num_tokens:
                 if four_rows and float32:
-                    bf16.qk_f32_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf)
+                    bf16.qk_f32_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
                 elif four_rows:
-                    bf16.qk_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf)
+                    bf16.qk_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
                 elif float32:
-                    bf16.qk_f32_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf)
+                    bf16.qk_f32_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
                 else:
-                    bf16.qk_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf)
+                    bf16.qk_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
                 continue
             for u in range(t, num_tokens):
                 pf_u = pf + (u - t) * k_row if pf != 0 else 0
+                again_u = pf_again + (u - t) * k_row if pf_again != 0 else 0
                 k_u, out_u = block + u * k_row, out + u * 4
                 if four_rows and float32:
-                    bf16.qk_f32_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u)
+                    bf16.qk_f32_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
                 elif four_rows:
-                    bf16.qk_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u)
+                    bf16.qk_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
                 elif float32:
-                    bf16.qk_f32_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u)
+                    bf16.qk_f32_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
                 else:
-                    bf16.qk_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u)
+                    bf16.qk_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
         r += 4 if four_rows else 1
 
 
 @njit(inline="always", **_JIT)
-def _page_accumulate_tiled(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, pf_cache, pf_page,
-                           pf_head, float32):
+def _page_accumulate_tiled(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again,
+                           float32):
     """:func:`_page_accumulate` by register tiles of 4 accumulator rows (1 for rows left over),
     head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (``float32``
     False; col even), or float32 pages by FMAs (``float32`` True).
 
     probs : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`, or float32
-    [rows, cols], the probabilities themselves (the scores array).
+    [rows, cols], the probabilities themselves (the scores array). The first row tile prefetches
+    the blocks at addresses ``ahead`` and ``again`` (0: none).
     """
     head_dim = vc.shape[3]
     block = block_address(vc, vp, vh)
-    ahead = block_address(pf_cache, pf_page, pf_head)
     a_row, p_row = acc.strides[0], probs.strides[0]
     first_prob = col * 4 if float32 else (col // 2) * 4
     r = r0
     while r < r0 + num_rows:
-        pf = ahead if r == r0 else 0
+        pf, pf_again = (ahead, again) if r == r0 else (0, 0)
         a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
         if r + 4 <= r0 + num_rows:
             if float32:
-                bf16.pv_f32_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+                bf16.pv_f32_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
             else:
-                bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+                bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
             r += 4
         else:
             if float32:
-                bf16.pv_f32_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+                bf16.pv_f32_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
             else:
-                bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf)
+                bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
             r += 1
 
 
@@ -281,6 +282,19 @@ def _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end, chunk
     if page >= last:
         return in_v, -1, 0
     return in_v, block_table[seq, page], index % num_heads
+
+
+@njit(inline="always", **_JIT)
+def _blocks_ahead(k_cache, v_cache, block_table, seq, p, h, num_heads, first, last, page_end,
+                  chunk_pages, v_pass, distances):
+    """The addresses of the blocks distances[0] and distances[1] visits after block (page p, head
+    h) (see :func:`_block_ahead`): far ahead, and again nearer (kernels/prefetch.py); 0: none."""
+    in_v, page, head = _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end,
+                                    chunk_pages, v_pass, distances[0])
+    ahead = block_address(v_cache if in_v else k_cache, page, head)
+    in_v, page, head = _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end,
+                                    chunk_pages, v_pass, distances[1])
+    return ahead, block_address(v_cache if in_v else k_cache, page, head)
 
 
 @njit(cache=True, fastmath=FASTMATH | {"nnan"}, error_model="numpy", nogil=True)
@@ -413,10 +427,11 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     where part = -1 writes out/lse directly and part >= 0 writes part_out [num_parts,
     num_q_heads, head_dim] and part_lse [num_parts, num_q_heads] for :func:`merge_parts`.
     slot_indptr : int32 [num_slots + 1], items of slot i are items[slot_indptr[i]:slot_indptr[i + 1]].
-    alibi_slopes : float32 [num_q_heads] or empty. prefetch_blocks : int, how many head blocks
-    ahead of the one being read (in the item's visit order, see :func:`_block_ahead`) to prefetch
-    (0: none). dot_products : bool, whether bfloat16 pages may take the vdpbf16ps tiles (query
-    and probabilities rounded to bfloat16; kernels/_bf16_dot.py), when the shape allows.
+    alibi_slopes : float32 [num_q_heads] or empty. prefetch_blocks : (int, int), how many head
+    blocks ahead of the one being read (in the item's visit order, see :func:`_block_ahead`) to
+    prefetch, far and again nearer (kernels/prefetch.py; 0: none). dot_products : bool, whether
+    bfloat16 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
+    kernels/_bf16_dot.py), when the shape allows.
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_q_heads = q.shape[1]
@@ -446,21 +461,20 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                     page = block_table[seq, p]
                     num_tokens = min(page_size, seq_len - p * page_size)
                     for head in range(num_kv_heads):
-                        in_v, pf_page, pf_head = _block_ahead(
-                            block_table, seq, p, head, num_kv_heads, first, last, page_end,
-                            chunk_pages, False, prefetch_blocks)
+                        ahead, again = _blocks_ahead(
+                            k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
+                            page_end, chunk_pages, False, prefetch_blocks)
                         if dots:
                             _page_scores_tiled(q_bits, head * group, group, k_cache, page, head,
                                                num_tokens, scale, scores, (p - first) * page_size,
-                                               v_cache if in_v else k_cache, pf_page, pf_head, False)
+                                               ahead, again, False)
                         elif f32_tiles:  # the queries are scaled already
                             _page_scores_tiled(qs, head, 1, k_cache, page, head, num_tokens,
                                                np.float32(1.0), scores, (p - first) * page_size,
-                                               v_cache if in_v else k_cache, pf_page, pf_head, True)
+                                               ahead, again, True)
                         else:
                             _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
-                                         num_tokens, scores, (p - first) * page_size,
-                                         v_cache if in_v else k_cache, pf_page, pf_head)
+                                         num_tokens, scores, (p - first) * page_size, ahead)
                 masked = window > 0 and key0 <= seq_len - 1 - window
                 _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
                                 soft_cap, alibi_slopes, m, l, acc)
@@ -470,21 +484,19 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                     page = block_table[seq, p]
                     num_tokens = min(page_size, seq_len - p * page_size)
                     for head in range(num_kv_heads):
-                        in_v, pf_page, pf_head = _block_ahead(
-                            block_table, seq, p, head, num_kv_heads, first, last, page_end,
-                            chunk_pages, True, prefetch_blocks)
+                        ahead, again = _blocks_ahead(
+                            k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
+                            page_end, chunk_pages, True, prefetch_blocks)
                         if dots:
                             _page_accumulate_tiled(packed, head * group, group, (p - first) * page_size,
-                                                   v_cache, page, head, num_tokens, acc,
-                                                   v_cache if in_v else k_cache, pf_page, pf_head, False)
+                                                   v_cache, page, head, num_tokens, acc, ahead, again,
+                                                   False)
                         elif f32_tiles:
                             _page_accumulate_tiled(scores, head, 1, (p - first) * page_size, v_cache,
-                                                   page, head, num_tokens, acc,
-                                                   v_cache if in_v else k_cache, pf_page, pf_head, True)
+                                                   page, head, num_tokens, acc, ahead, again, True)
                         else:
                             _page_accumulate(scores, head * group, group, (p - first) * page_size,
-                                             v_cache, page, head, kv_format, num_tokens, acc,
-                                             v_cache if in_v else k_cache, pf_page, pf_head)
+                                             v_cache, page, head, kv_format, num_tokens, acc, ahead)
             for h in range(num_q_heads):
                 if part < 0:
                     lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
@@ -530,7 +542,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     q, out : float32 [num_tokens, num_q_heads, head_dim]; lse : float32 [num_tokens, num_q_heads].
     Sequence s owns q rows qo_indptr[s]:qo_indptr[s+1], the last of its seq_lens[s] positions.
     items : int32 [num_items, 4] = (seq, kv_head, row_begin, row_end), at most QUERY_BLOCK rows.
-    prefetch_blocks : int, as in :func:`decode` (an item's blocks are its head's pages).
+    prefetch_blocks : int, the far distance of :func:`decode` (an item's blocks are its head's
+    pages); the tiles are not asked again nearer: that made prefill 1-4% slower (compute-bound).
     dot_products : bool, as in :func:`decode`.
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -569,19 +582,19 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                 for p in range(first, last):
                     in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
                                                     chunk_pages, False, prefetch_blocks)
+                    ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
                     num_tokens = min(page_size, seq_len - p * page_size)
                     if dots:
                         _page_scores_tiled(q_bits, 0, num_rows, k_cache, block_table[seq, p], head,
                                            num_tokens, scale, scores, (p - first) * page_size,
-                                           v_cache if in_v else k_cache, pf_page, head, False)
+                                           ahead, 0, False)
                     elif f32_tiles:
                         _page_scores_tiled(qs, 0, num_rows, k_cache, block_table[seq, p], head,
                                            num_tokens, np.float32(1.0), scores, (p - first) * page_size,
-                                           v_cache if in_v else k_cache, pf_page, head, True)
+                                           ahead, 0, True)
                     else:
                         _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
-                                     num_tokens, scores, (p - first) * page_size,
-                                     v_cache if in_v else k_cache, pf_page, head)
+                                     num_tokens, scores, (p - first) * page_size, ahead)
                 masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
                 _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
                                 slopes, m, l, acc)
@@ -590,19 +603,19 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                 for p in range(first, last):
                     in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
                                                     chunk_pages, True, prefetch_blocks)
+                    ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
                     num_tokens = min(page_size, seq_len - p * page_size)
                     if dots:
                         _page_accumulate_tiled(packed, 0, num_rows, (p - first) * page_size, v_cache,
-                                               block_table[seq, p], head, num_tokens, acc,
-                                               v_cache if in_v else k_cache, pf_page, head, False)
+                                               block_table[seq, p], head, num_tokens, acc, ahead, 0,
+                                               False)
                     elif f32_tiles:
                         _page_accumulate_tiled(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                               block_table[seq, p], head, num_tokens, acc,
-                                               v_cache if in_v else k_cache, pf_page, head, True)
+                                               block_table[seq, p], head, num_tokens, acc, ahead, 0,
+                                               True)
                     else:
                         _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                         block_table[seq, p], head, kv_format, num_tokens, acc,
-                                         v_cache if in_v else k_cache, pf_page, head)
+                                         block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g

@@ -39,6 +39,13 @@ MIN_SPLIT_TOKENS = 256  # a split piece of a long sequence covers at least this 
 # 64 KiB: the bfloat16 tiles compute fast enough that 16 KiB arrived late (S1/S3 bfloat16, page 16:
 # 73-76% of the roof at 16 KiB, 79-81% at 64 KiB, two interleaved runs); float32 measured alike.
 PREFETCH_BYTES = 64 * 1024
+# Decode's tiles ask for each line again this fraction of the distance ahead: a prefetch is a hint
+# the CPU may drop (kernels/prefetch.py). An eighth (8 KiB of 64) gained the most at S1/S2/S3
+# bfloat16, a half or a quarter less. Not for blocks under PREFETCH_AGAIN_MIN_BLOCK bytes: at page
+# size 2 (256-byte blocks) S3 bfloat16 decode took 1.15x the time with it (the block addresses
+# cost more than the reads they speed up), while 512-byte blocks still gained (S1 page 2: 0.90x).
+PREFETCH_AGAIN_FRACTION = 8
+PREFETCH_AGAIN_MIN_BLOCK = 512
 
 
 # ----------------------------------------------------------------------------------- conversions
@@ -141,8 +148,10 @@ def _inputs(q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_s
     return k, v, kind, q32, q_kind, options
 
 
-def _prefetch_blocks(prefetch, cache) -> int:
-    """Head blocks (one page of one KV head) of ``cache`` that ``prefetch`` bytes ahead spans.
+def _prefetch_blocks(prefetch, cache) -> tuple[int, int]:
+    """Head blocks (one page of one KV head) of ``cache`` that ``prefetch`` bytes ahead spans, and
+    that the second, nearer request spans (PREFETCH_AGAIN_FRACTION of it; 0 unless nearer, or
+    when a block is smaller than PREFETCH_AGAIN_MIN_BLOCK bytes).
 
     True means PREFETCH_BYTES, False or 0 none; a distance rounds up to whole blocks.
     """
@@ -151,7 +160,9 @@ def _prefetch_blocks(prefetch, cache) -> int:
     if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
         raise ValueError(f"expected prefetch a bool or a number of bytes >= 0, got {prefetch!r}")
     block_bytes = cache.strides[1]
-    return -(-int(prefetch) // block_bytes)
+    ahead = -(-int(prefetch) // block_bytes)
+    again = -(-int(prefetch) // PREFETCH_AGAIN_FRACTION // block_bytes)
+    return ahead, again if again < ahead and block_bytes >= PREFETCH_AGAIN_MIN_BLOCK else 0
 
 
 def _fast_bf16(fast_bf16) -> bool:
@@ -364,7 +375,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     lse = np.empty((num_tokens, num_q_heads), np.float32)
     _threads.start()
     _attention.prefill(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, indptr, items, slot_indptr,
-                       scale, window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k),
+                       scale, window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0],
                        _fast_bf16(fast_bf16))
     if buffer is not storage:
         _from_float32(buffer, q_kind, storage)

@@ -145,6 +145,27 @@ def test_prefetch_changes_no_result(kind):
                                               qo_indptr, prefetch=prefetch), prefill_off)
 
 
+@pytest.mark.parametrize("kind, page_size, head_dim, prefetch, blocks", [
+    ("bfloat16", 16, 128, True, (16, 2)),   # 4 KiB blocks: 64 KiB ahead, again 8 KiB ahead
+    ("float32", 16, 128, True, (8, 1)),     # 8 KiB blocks
+    ("float32", 17, 80, True, (13, 2)),     # 5,440-byte blocks: distances round up
+    ("bfloat16", 256, 128, True, (1, 0)),   # 64 KiB blocks: nothing nearer than one block
+    ("bfloat16", 2, 128, True, (128, 16)),  # 512-byte blocks: still asked again
+    ("bfloat16", 2, 64, True, (256, 0)),    # 256-byte blocks: not
+    ("float32", 16, 64, 1, (1, 0)),
+    ("float32", 16, 64, 5000, (2, 1)),
+    ("float32", 16, 64, False, (0, 0)),
+])
+def test_prefetch_distances_in_blocks(kind, page_size, head_dim, prefetch, blocks):
+    """The far distance (PREFETCH_BYTES for True) and the second, nearer one (an eighth of it) in
+    whole head blocks, rounded up; the nearer one is dropped unless it is nearer, and for blocks
+    under 512 bytes."""
+    from pagekv.attention import _prefetch_blocks
+
+    cache = np.zeros((2, 1, page_size, head_dim), np.float32 if kind == "float32" else np.uint16)
+    assert _prefetch_blocks(prefetch, cache) == blocks
+
+
 @pytest.mark.parametrize("num_heads, page_end, chunk_pages", [(8, 40, 16), (1, 5, 2), (3, 7, 3)])
 def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_pages):
     """_block_ahead names the block `distance` visits ahead: a chunk's K blocks, its V blocks, the

@@ -25,7 +25,7 @@ def _scores_harness():
     float32 tiles."""
     def run(rows, tokens, q, k, scale, out, pf, float32):
         args = (q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1], scale,
-                out.ctypes.data, out.strides[0], pf)
+                out.ctypes.data, out.strides[0], pf, pf)
         if rows == 4 and tokens == 4:
             if float32:
                 bf16.qk_f32_4x4(*args)
@@ -53,7 +53,7 @@ def _values_harness():
     float32 tiles, bfloat16 rows the packed probabilities."""
     def run(rows, acc, v, probs, num_tokens, pf, float32):
         args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], probs.ctypes.data,
-                probs.strides[0], num_tokens, v.shape[1], pf)
+                probs.strides[0], num_tokens, v.shape[1], pf, pf)
         if rows == 4 and float32:
             bf16.pv_f32_4(*args)
         elif rows == 4:
