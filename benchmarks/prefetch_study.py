@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from attention_cases import pagekv_decode, pagekv_prefill, problem, streaming_read
-from pagekv.attention import PREFETCH_BYTES, plan_decode
+from pagekv.attention import PREFETCH_AGAIN_FRACTION, PREFETCH_BYTES, plan_decode
 from pagekv.kernels.attention import CHUNK_TOKENS
 from pagekv.kernels.bandwidth import LANES
 from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_address
@@ -38,9 +38,10 @@ def prefill_variants(p):
 
 
 @numba.njit(parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes):
+def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes, again_bytes=0):
     """Sum whole pages in a given visit order, each slot on its own thread, prefetching
-    ``ahead_bytes`` down that order as the kernels do (a line per line read; 0: no prefetch).
+    ``ahead_bytes`` down that order as the kernels do (a line per line read; 0: no prefetch), and
+    again ``again_bytes`` down it as decode's tiles do (0: not).
 
     k_pages, v_pages : float32 arrays whose [page] is one C-contiguous page (a K/V cache seen as
     float32 words, a page of every head; words a multiple of LANES); visits : int64
@@ -55,13 +56,14 @@ def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes):
         for i in range(slot_indptr[slot], end):
             rows = (v_pages if visits[i, 0] else k_pages)[visits[i, 1]].reshape(words // LANES, LANES)
             for j in range(words // LANES):
-                offset = j * LANES * 4 + ahead_bytes
-                ahead = i + offset // page_bytes
-                if ahead_bytes > 0 and ahead < end:
-                    pages = v_pages if visits[ahead, 0] else k_pages
-                    start = block_address(pages, visits[ahead, 1], 0) + offset % page_bytes
-                    for line in range(0, LANES * 4, CACHE_LINE):
-                        prefetch_address(start + line)
+                for distance in (ahead_bytes, again_bytes):
+                    offset = j * LANES * 4 + distance
+                    ahead = i + offset // page_bytes
+                    if distance > 0 and ahead < end:
+                        pages = v_pages if visits[ahead, 0] else k_pages
+                        start = block_address(pages, visits[ahead, 1], 0) + offset % page_bytes
+                        for line in range(0, LANES * 4, CACHE_LINE):
+                            prefetch_address(start + line)
                 for lane in range(LANES):
                     lanes[lane] += rows[j, lane]
         partial[slot] = lanes.sum()
@@ -69,8 +71,9 @@ def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes):
 
 
 def visit_order_sum(p):
-    """:func:`visit_sum` over p's pages in the order the decode kernel reads them: per thread slot
-    its items, per item its chunks of CHUNK_TOKENS, per chunk the K pages then the V pages."""
+    """:func:`visit_sum` over p's pages in the order the decode kernel reads them (per thread slot
+    its items, per item its chunks of CHUNK_TOKENS, per chunk the K pages then the V pages), with
+    the decode tiles' two prefetch distances."""
     page_size = p.k_cache.shape[2]
     plan = plan_decode(p.seq_lens, page_size=page_size)
     chunk = max(1, CHUNK_TOKENS // page_size)
@@ -83,7 +86,8 @@ def visit_order_sum(p):
         indptr.append(len(visits))
     visits, indptr = np.array(visits, np.int64), np.array(indptr, np.int64)
     k, v = p.k_cache.view(np.float32), p.v_cache.view(np.float32)
-    return lambda: visit_sum(k, v, visits, indptr, PREFETCH_BYTES)
+    again = PREFETCH_BYTES // PREFETCH_AGAIN_FRACTION
+    return lambda: visit_sum(k, v, visits, indptr, PREFETCH_BYTES, again)
 
 
 def study(shape, kind, page_size, rounds, roof, *, op="decode"):

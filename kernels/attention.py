@@ -401,6 +401,12 @@ def _takes_dot_products(k_cache, kv_format, allowed):
 
 
 @njit(inline="always", **_JIT)
+def _takes_f32_tiles(k_cache, kv_format):
+    """Whether the float32 FMA tiles apply: float32 pages, head_dim a multiple of 16."""
+    return kv_format == FORMAT_FLOAT32 and k_cache.shape[3] % bf16.LANES == 0
+
+
+@njit(inline="always", **_JIT)
 def _finish_row(acc_row, m_r, l_r, out_row):
     """Write acc / l to out_row and return the row's log-sum-exp (-inf and zeros if nothing attended)."""
     if l_r == 0.0:
@@ -442,7 +448,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     # memory and 25-45% from cache than Numba's loops (head_dim 64/80/128, 8-32 heads). Two or
     # more rows per KV head (GQA) keep the loops: there the tiles overlapped the prefetched reads
     # worse (group 2 at head_dim 128: 9% slower, S1: 5-7%), though faster from cache.
-    f32_tiles = kv_format == FORMAT_FLOAT32 and head_dim % bf16.LANES == 0 and group == 1
+    f32_tiles = _takes_f32_tiles(k_cache, kv_format) and group == 1
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(
             num_q_heads, chunk_pages * page_size, head_dim)
@@ -553,7 +559,7 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     dots = _takes_dot_products(k_cache, kv_format, dot_products)
     # float32 pages: the FMA score and value tiles (compute-bound here; decode takes them for MHA
     # only: kernels/_bf16_dot.py). The queries are scaled already.
-    f32_tiles = kv_format == FORMAT_FLOAT32 and head_dim % bf16.LANES == 0
+    f32_tiles = _takes_f32_tiles(k_cache, kv_format)
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(
             max_rows, chunk_pages * page_size, head_dim)

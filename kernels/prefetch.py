@@ -17,7 +17,7 @@ al., "The Hitchhiker's Guide to Programming and Optimizing CXL-Based Heterogeneo
 2024), so a dropped line became a demand miss that stalled the core, and the stream of
 prefetches with it; the second request catches such lines in time. Measured, alternating rounds with the
 caches flushed: bfloat16 decode 1.07-1.10x faster at S1/S2/S3 and 1.03-1.15x at other GQA and
-MHA shapes, float32 MHA 1.02-1.15x; the extra instructions cost 6-20% when the pages are in
+MHA shapes, float32 MHA 1.02-1.19x; the extra instructions cost 6-26% when the pages are in
 cache. Numba's float32 loops (GQA) and prefill ask once: there it gained 0-2% from memory (the
 loops) or lost 1-4% (prefill, compute-bound), and cost 9-13% from cache.
 """
