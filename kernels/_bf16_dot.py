@@ -253,13 +253,14 @@ qk_4x4 = _make_qk_tile(4, 4)
 qk_4x1 = _make_qk_tile(4, 1)
 qk_1x4 = _make_qk_tile(1, 4)
 qk_1x1 = _make_qk_tile(1, 1)
-# The float32 tiles serve prefill, and decode with one query head per KV head. In prefill the
-# score tiles were 7-29% faster than Numba's own loops (which reduce each score's lanes alone) and
-# the value tiles (below) made prefill 1.4-1.7x faster in all (2K causal, head_dim 64/80/128). In
-# decode, memory-bound, the one-row tiles of MHA read 2-10% faster from memory (S3 and MHA shapes
-# at head_dim 64/80/128); with GQA's 4-row tiles either tile overlapped the prefetched reads worse
-# (S1/S2 float32 from memory 5-7% slower, from cache 14-27% faster), and two one-row tiles per KV
-# head (group 2) 9% slower at head_dim 128, so GQA decode keeps the loops.
+# The float32 tiles serve prefill and decode. In prefill the score tiles were 7-29% faster than
+# Numba's own loops (which reduce each score's lanes alone) and the value tiles (below) made
+# prefill 1.4-1.7x faster in all (2K causal, head_dim 64/80/128). In decode, memory-bound, the
+# one-row tiles of MHA read 2-10% faster from memory (S3 and MHA shapes at head_dim 64/80/128).
+# With GQA's tiles decode read 5-9% slower from memory than the loops while each line was
+# prefetched once; asked for twice (kernels/prefetch.py) they read alike or faster (S1/S2 0.98-1.01x
+# the loops' time, 2 or 8 KV heads x 64: 0.82-0.97x) and compute 1.3-1.6x faster from cache,
+# except two one-row tiles per KV head at head_dim 128 (group 2: 15% slower from cache).
 qk_f32_4x4 = _make_qk_tile(4, 4, float32=True)
 qk_f32_4x1 = _make_qk_tile(4, 1, float32=True)
 qk_f32_1x4 = _make_qk_tile(1, 4, float32=True)

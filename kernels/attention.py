@@ -26,8 +26,9 @@ How the work is shaped:
   bfloat16 once, the sums stay float32. In float32 math the bfloat16 loops were bound by the
   CPU's multiply-adds below the memory roof; the tiles made S1 decode ~1.6x faster from cache.
   Prefill over float32 pages (head_dim a multiple of 16) computes scores and values by float32
-  FMA tiles of the same shapes: 1.4-1.7x faster there than Numba's loops. Decode does so only for
-  one query head per KV head (see :func:`decode`).
+  FMA tiles of the same shapes: 1.4-1.7x faster there than Numba's loops; decode too (see
+  :func:`decode`). Numba's loops serve float16 pages, head_dim not a multiple of 16, and bfloat16
+  pages of odd page size or with ``fast_bf16=False``.
 - Per-thread scratch is allocated once per slot per call, never inside the page loop.
 """
 
@@ -444,11 +445,10 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     group = num_q_heads // num_kv_heads
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
     dots = _takes_dot_products(k_cache, kv_format, dot_products)
-    # float32 pages, one query head per KV head (MHA): the one-row FMA tiles, 2-10% faster from
-    # memory and 25-45% from cache than Numba's loops (head_dim 64/80/128, 8-32 heads). Two or
-    # more rows per KV head (GQA) keep the loops: there the tiles overlapped the prefetched reads
-    # worse (group 2 at head_dim 128: 9% slower, S1: 5-7%), though faster from cache.
-    f32_tiles = _takes_f32_tiles(k_cache, kv_format) and group == 1
+    # float32 pages: the FMA tiles. Against Numba's loops, MHA read 2-10% faster from memory and
+    # 25-45% from cache (head_dim 64/80/128, 8-32 heads); GQA, with each line prefetched twice,
+    # 0-18% faster from memory and 27-60% from cache (kernels/_bf16_dot.py has the exceptions).
+    f32_tiles = _takes_f32_tiles(k_cache, kv_format)
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(
             num_q_heads, chunk_pages * page_size, head_dim)
@@ -475,9 +475,9 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                                                num_tokens, scale, scores, (p - first) * page_size,
                                                ahead, again, False)
                         elif f32_tiles:  # the queries are scaled already
-                            _page_scores_tiled(qs, head, 1, k_cache, page, head, num_tokens,
-                                               np.float32(1.0), scores, (p - first) * page_size,
-                                               ahead, again, True)
+                            _page_scores_tiled(qs, head * group, group, k_cache, page, head,
+                                               num_tokens, np.float32(1.0), scores,
+                                               (p - first) * page_size, ahead, again, True)
                         else:
                             _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
                                          num_tokens, scores, (p - first) * page_size, ahead)
@@ -498,8 +498,9 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                                                    v_cache, page, head, num_tokens, acc, ahead, again,
                                                    False)
                         elif f32_tiles:
-                            _page_accumulate_tiled(scores, head, 1, (p - first) * page_size, v_cache,
-                                                   page, head, num_tokens, acc, ahead, again, True)
+                            _page_accumulate_tiled(scores, head * group, group, (p - first) * page_size,
+                                                   v_cache, page, head, num_tokens, acc, ahead, again,
+                                                   True)
                         else:
                             _page_accumulate(scores, head * group, group, (p - first) * page_size,
                                              v_cache, page, head, kv_format, num_tokens, acc, ahead)

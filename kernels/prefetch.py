@@ -9,7 +9,7 @@ for a block further down their own visit order while they compute the current on
 stream of prefetches, a few lines per token row, into L2. (The design note prefetched physical
 page id + 1, which belongs to some other sequence, or to nobody.)
 
-Decode's tiles (bfloat16 pages; float32 pages with one query head per KV head) ask for each line
+Decode's tiles (bfloat16 and float32 pages, head_dim a multiple of 16) ask for each line
 twice: far ahead (64 KiB by default) and again a short way ahead (an eighth of that). Why it
 helps is not measured here (this VM has no performance counters); the likely reason: a prefetch
 is only a hint, and AMD's Zen 4 is reported to drop prefetcht1 requests now and then (Wang et
@@ -18,8 +18,9 @@ al., "The Hitchhiker's Guide to Programming and Optimizing CXL-Based Heterogeneo
 prefetches with it; the second request catches such lines in time. Measured, alternating rounds with the
 caches flushed: bfloat16 decode 1.07-1.10x faster at S1/S2/S3 and 1.03-1.15x at other GQA and
 MHA shapes, float32 MHA 1.02-1.19x; the extra instructions cost 6-26% when the pages are in
-cache. Numba's float32 loops (GQA) and prefill ask once: there it gained 0-2% from memory (the
-loops) or lost 1-4% (prefill, compute-bound), and cost 9-13% from cache.
+cache. Numba's loops (float16 pages, other head_dims) and prefill ask once: it gained 0-2%
+from memory (measured on the loops over float32 GQA pages, which then were decode's path) or
+lost 1-4% (prefill, compute-bound), and cost 9-13% from cache.
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]

@@ -10,7 +10,7 @@ from kv_builders import (FAST_BF16_TOLERANCE, TOLERANCE, PagedKV, relative_error
 from pagekv import attention
 from pagekv.reference import attention as reference
 
-HEAD_DIMS = [64, 80, 96, 128, 256]
+HEAD_DIMS = [64, 72, 80, 96, 128, 256]  # 72: not a multiple of 16, so Numba's loops, not tiles
 PAGE_SIZES = [1, 2, 16, 17, 64, 256]
 KINDS = ["float32", "float16", "bfloat16"]
 
@@ -105,16 +105,18 @@ def test_prefill_matches_reference(problem, data):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 5])
 @pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 80), (17, 128), (64, 256)])
-def test_mha_float32_decode_matches_reference(page_size, head_dim):
-    """One query head per KV head over float32 pages takes decode's FMA tiles (kernels/attention.py):
-    odd page sizes, pages ending mid-way, every head_dim chunk count, with the masking options."""
+def test_float32_decode_tiles_match_reference(page_size, head_dim, group):
+    """float32 pages take decode's FMA tiles (kernels/attention.py): one query row per KV head, 4-row
+    tiles, and 4-row tiles plus one-row tiles for the rest (group 5); odd page sizes, pages ending
+    mid-way, every head_dim chunk count, with the masking options."""
     rng = np.random.default_rng(page_size)
     kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=3, head_dim=head_dim, page_size=page_size,
                  kind="float32")
-    q = rng.standard_normal((4, 3, head_dim)).astype(np.float32)
-    for options in ({}, {"sliding_window": 40, "logits_soft_cap": 5.0,
-                         "alibi_slopes": np.array([0.5, 0.25, 0.125], np.float32)}):
+    q = rng.standard_normal((4, 3 * group, head_dim)).astype(np.float32)
+    slopes = (2.0 ** -np.arange(1, 3 * group + 1)).astype(np.float32)
+    for options in ({}, {"sliding_window": 40, "logits_soft_cap": 5.0, "alibi_slopes": slopes}):
         out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
                                                     return_lse=True, **options)
         expected, expected_lse = reference.decode(q.astype(np.float64), kv.k64, kv.v64,
