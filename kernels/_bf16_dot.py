@@ -259,8 +259,8 @@ qk_1x1 = _make_qk_tile(1, 1)
 # one-row tiles of MHA read 2-10% faster from memory (S3 and MHA shapes at head_dim 64/80/128).
 # With GQA's tiles decode read 5-9% slower from memory than the loops while each line was
 # prefetched once; asked for twice (kernels/prefetch.py) they read alike or faster (S1/S2 0.98-1.01x
-# the loops' time, 2 or 8 KV heads x 64: 0.82-0.97x) and compute 1.3-1.6x faster from cache,
-# except two one-row tiles per KV head at head_dim 128 (group 2: 15% slower from cache).
+# the loops' time, 2 or 8 KV heads x 64: 0.82-0.97x) and compute 1.1-1.5x faster from cache,
+# except two one-row tiles per KV head at head_dim 128 (group 2: 14-15% slower from cache).
 qk_f32_4x4 = _make_qk_tile(4, 4, float32=True)
 qk_f32_4x1 = _make_qk_tile(4, 1, float32=True)
 qk_f32_1x4 = _make_qk_tile(1, 4, float32=True)

@@ -447,7 +447,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     dots = _takes_dot_products(k_cache, kv_format, dot_products)
     # float32 pages: the FMA tiles. Against Numba's loops, MHA read 2-10% faster from memory and
     # 25-45% from cache (head_dim 64/80/128, 8-32 heads); GQA, with each line prefetched twice,
-    # 0-18% faster from memory and 27-60% from cache (kernels/_bf16_dot.py has the exceptions).
+    # 0-18% faster from memory and 10-50% from cache (kernels/_bf16_dot.py has the exceptions).
     f32_tiles = _takes_f32_tiles(k_cache, kv_format)
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(
