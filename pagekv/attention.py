@@ -276,8 +276,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     prefetch : bool or int
         Stream the K/V blocks the kernel reads next into L2 while it computes (``True``:
         PREFETCH_BYTES ahead of the reads; an int: that many bytes ahead, rounded up to whole
-        blocks of one page and KV head; ``False`` or 0: off). On by default: it took the decode
-        benchmarks from ~50% to ~80% of the streaming-read bandwidth (README). Results do not depend on it.
+        blocks of one page and KV head; ``False`` or 0: off). The tiles ask for each line again
+        PREFETCH_AGAIN_FRACTION of that distance ahead. On by default: it took the decode
+        benchmarks from ~50% to ~85% of the streaming-read bandwidth (README). Results do not
+        depend on it.
     fast_bf16 : bool
         bfloat16 caches with head_dim a multiple of 16 and an even page_size: multiply in
         bfloat16 (AVX512-BF16 ``vdpbf16ps``; float32 math on CPUs without it, same results). The
