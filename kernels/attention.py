@@ -449,6 +449,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     # 25-45% from cache (head_dim 64/80/128, 8-32 heads); GQA, with each line prefetched twice,
     # 0-18% faster from memory and 10-50% from cache (kernels/_bf16_dot.py has the exceptions).
     f32_tiles = _takes_f32_tiles(k_cache, kv_format)
+    # Numba's loops ask for each line once (kernels/prefetch.py): no second block address for them.
+    distances = (prefetch_blocks[0], prefetch_blocks[1] if dots or f32_tiles else 0)
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(
             num_q_heads, chunk_pages * page_size, head_dim)
@@ -469,7 +471,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                     for head in range(num_kv_heads):
                         ahead, again = _blocks_ahead(
                             k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
-                            page_end, chunk_pages, False, prefetch_blocks)
+                            page_end, chunk_pages, False, distances)
                         if dots:
                             _page_scores_tiled(q_bits, head * group, group, k_cache, page, head,
                                                num_tokens, scale, scores, (p - first) * page_size,
@@ -492,7 +494,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
                     for head in range(num_kv_heads):
                         ahead, again = _blocks_ahead(
                             k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
-                            page_end, chunk_pages, True, prefetch_blocks)
+                            page_end, chunk_pages, True, distances)
                         if dots:
                             _page_accumulate_tiled(packed, head * group, group, (p - first) * page_size,
                                                    v_cache, page, head, num_tokens, acc, ahead, again,
