@@ -4,7 +4,10 @@ Each case records the K/V bytes it must read (``extra_info["kv_bytes"]``); ``rep
 the median time and by the streaming-read bandwidth measured in the same run. pagekv's own cases
 also record their share of the roof measured in rounds that alternate the two
 (``extra_info["share_of_roof"]``): this host's roof switches between ~35 and ~55 GB/s from minute
-to minute, so a share against a roof timed at another moment read anywhere from 55% to 112%.
+to minute, so a share against a roof timed at another moment read anywhere from 55% to 112%. For
+the same reason every other decode case records its time over pagekv's in alternating rounds
+(``extra_info["time_over_pagekv"]``): two medians taken minutes apart had put paged ÷ contiguous
+at 1.41 and 1.65 where alternating rounds measure 1.00-1.07.
 
 Chunked prefill (S1's caches, each sequence's last 128 tokens as queries) is compute-bound: its
 cases record FLOPs (``extra_info["flops"]``), and pagekv's the median ratio of torch SDPA's time to
@@ -37,6 +40,7 @@ IMPLEMENTATIONS = {
 
 PREFILL_IMPLEMENTATIONS = {"pagekv": pagekv_prefill, "torch sdpa (dense)": torch_sdpa_prefill}
 ROOF_ROUNDS = 15
+PAIRED_ROUNDS = 15  # odd: the median of the rounds' ratios is one round's, inverted or not
 PREFILL_ROUNDS = 7
 
 
@@ -52,6 +56,14 @@ def share_of_roof(run, kv_bytes):
     run_seconds, roof_seconds = paired_times(run, roof, ROOF_ROUNDS)
     roofs = roof_bytes / roof_seconds
     return float(np.median(kv_bytes / run_seconds / roofs)), float(np.median(roofs)) / 1e9
+
+
+def time_over_pagekv(run, p):
+    """Median over PAIRED_ROUNDS rounds of run's time ÷ pagekv's default decode timed next to it."""
+    pagekv = pagekv_decode(p)
+    pagekv()
+    run_seconds, pagekv_seconds = paired_times(run, pagekv, PAIRED_ROUNDS)
+    return float(np.median(run_seconds / pagekv_seconds))
 
 
 def test_streaming_read_bandwidth(benchmark):
@@ -77,6 +89,8 @@ def test_decode(benchmark, shape, kind, name):
     if name == "pagekv" and not benchmark.disabled:  # CI runs the cases once, untimed
         share, roof_gbs = share_of_roof(run, p.kv_bytes)
         benchmark.extra_info.update(share_of_roof=share, paired_roof_gbs=roof_gbs)
+    elif not benchmark.disabled:
+        benchmark.extra_info["time_over_pagekv"] = time_over_pagekv(run, p)
     benchmark(run)
 
 

@@ -53,39 +53,37 @@ def attention_tables(benchmarks):
     if not roof:
         return ""
     roof_gbs = roof[0]["extra_info"]["kv_bytes"] / roof[0]["stats"]["min"] / 1e9
-    cases = defaultdict(dict)
-    shares = {}
+    cases = defaultdict(dict)  # (shape, dtype) -> {impl: extra_info, with the median time}
     for bench in benchmarks:
         info = bench["extra_info"]
         if info.get("kind") == "decode":
-            cases[(info["shape"], info["dtype"])][info["impl"]] = (bench["stats"]["median"], info["kv_bytes"])
-            if "share_of_roof" in info:
-                shares[(info["shape"], info["dtype"])] = (info["share_of_roof"], info["paired_roof_gbs"])
+            cases[(info["shape"], info["dtype"])][info["impl"]] = dict(info, median=bench["stats"]["median"])
     if not cases:
         return ""
     lines = [f"Streaming-read roof (same run, same threads): {roof_gbs:.1f} GB/s; \"% of roof\" pairs "
              "each pagekv run with a roof timed next to it (median of the rounds' ratios; the rounds' median "
-             "roof beside it)", "",
+             "roof beside it); the ratio columns pair each implementation with pagekv the same way",
+             "",
              "| shape | KV dtype | pagekv GB/s | % of roof | paired roof GB/s | paged ÷ contiguous time "
              "| no prefetch ÷ prefetch "
              "| float32 products ÷ bfloat16 | × torch SDPA (dense) | × NumPy gather |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, dtype), impls in sorted(cases.items()):
-        time, nbytes = impls["pagekv"]
-        gbs = nbytes / time / 1e9
+        pagekv = impls["pagekv"]
+        gbs = pagekv["kv_bytes"] / pagekv["median"] / 1e9
 
-        def ratio(name, inverse=False):
-            if name not in impls:
+        def ratio(name, *, speedup=True, inverse=False):
+            """The paired time ratio of implementation ``name`` over pagekv, as a cell."""
+            if "time_over_pagekv" not in impls.get(name, {}):
                 return "—"
-            value = impls[name][0] / time
-            return f"{1 / value if inverse else value:.2f}×" if not inverse else f"{time / impls[name][0]:.2f}"
+            value = impls[name]["time_over_pagekv"]
+            return f"{1 / value if inverse else value:.2f}" + ("×" if speedup else "")
 
-        share, paired_roof = shares.get((shape, dtype), (gbs / roof_gbs, roof_gbs))
-        lines.append(f"| {shape} | {dtype} | {gbs:.1f} | {100 * share:.0f}% | {paired_roof:.1f} "
-                     f"| {ratio('pagekv contiguous', inverse=True)} | "
-                     f"{impls['pagekv no prefetch'][0] / time:.2f} | {ratio('pagekv float32 products')} "
-                     f"| {ratio('torch sdpa (dense)')} "
-                     f"| {ratio('numpy gather')} |")
+        lines.append(f"| {shape} | {dtype} | {gbs:.1f} | {100 * pagekv['share_of_roof']:.0f}% "
+                     f"| {pagekv['paired_roof_gbs']:.1f} "
+                     f"| {ratio('pagekv contiguous', speedup=False, inverse=True)} "
+                     f"| {ratio('pagekv no prefetch', speedup=False)} | {ratio('pagekv float32 products')} "
+                     f"| {ratio('torch sdpa (dense)')} | {ratio('numpy gather')} |")
     return "\n".join(lines)
 
 
