@@ -7,7 +7,7 @@ also record their share of the roof measured in rounds that alternate the two
 to minute, so a share against a roof timed at another moment read anywhere from 55% to 112%. For
 the same reason every other decode case records its time over pagekv's in alternating rounds
 (``extra_info["time_over_pagekv"]``): two medians taken minutes apart had put paged ÷ contiguous
-at 1.41 and 1.65 where alternating rounds measure 1.00-1.07.
+at 1.41 and 1.65 where alternating rounds measure ~1.05.
 
 Chunked prefill (S1's caches, each sequence's last 128 tokens as queries) is compute-bound: its
 cases record FLOPs (``extra_info["flops"]``), and pagekv's the median ratio of torch SDPA's time to
