@@ -17,6 +17,7 @@ transformers = pytest.importorskip(
 
 from transformers import DynamicCache  # noqa: E402
 
+from huge_pages import huge_page_kib, skip_unless_numpy_gets_huge_pages  # noqa: E402
 from pagekv import OutOfPagesError, PagekvError  # noqa: E402
 from pagekv.attention import gather_kv  # noqa: E402
 from pagekv.integrations.transformers import PagedKVPool  # noqa: E402
@@ -155,6 +156,15 @@ def test_16_bit_models_keep_16_bit_pages_and_close_logits(dtype, atol):
     ours = pool.generate(ids, attention_mask=mask, max_new_tokens=1, **GREEDY)
     # the attention output is rounded to 16 bits once on each path, at different points: a few ulps
     np.testing.assert_allclose(ours.logits[0].float().numpy(), ref.logits[0].float().numpy(), atol=atol)
+
+
+def test_the_pool_keeps_its_pages_in_huge_pages(llama):
+    pool = PagedKVPool(llama, num_pages=4096)  # 2 layers x K/V x 4096 pages x 2 heads x 16 x 32: 64 MiB
+    nbytes = pool.storage.numel() * pool.storage.element_size()
+    skip_unless_numpy_gets_huge_pages(nbytes)
+    pool.storage += 1  # touch every page
+    assert huge_page_kib(pool.storage.data_ptr(), nbytes) >= (nbytes >> 10) // 2
+    pool.close()
 
 
 def test_close_gives_the_model_back_to_sdpa(llama):
