@@ -159,9 +159,10 @@ def test_16_bit_models_keep_16_bit_pages_and_close_logits(dtype, atol):
 
 
 def test_the_pool_keeps_its_pages_in_huge_pages(llama):
-    pool = PagedKVPool(llama, num_pages=4096)  # 2 layers x K/V x 4096 pages x 2 heads x 16 x 32: 64 MiB
-    nbytes = pool.storage.numel() * pool.storage.element_size()
+    nbytes = 64 << 20  # 2 layers x K/V x 4096 pages x 2 heads x 16 tokens x 32 dims, float32
     skip_unless_numpy_gets_huge_pages(nbytes)
+    pool = PagedKVPool(llama, num_pages=4096)
+    assert pool.storage.numel() * pool.storage.element_size() == nbytes
     pool.storage += 1  # touch every page
     assert huge_page_kib(pool.storage.data_ptr(), nbytes) >= (nbytes >> 10) // 2
     pool.close()
