@@ -9,6 +9,7 @@ The log-sum-exp values (``return_lse``, ``merge_states``) use the natural logari
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numba
@@ -46,6 +47,7 @@ PREFETCH_BYTES = 64 * 1024
 # cost more than the reads they speed up), while 512-byte blocks still gained (S1 page 2: 0.90x).
 PREFETCH_AGAIN_FRACTION = 8
 PREFETCH_AGAIN_MIN_BLOCK = 512
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 # ----------------------------------------------------------------------------------- conversions
@@ -71,7 +73,8 @@ def _from_float32(values, kind, out):
 
 
 # ---------------------------------------------------------------------------------------- checks
-def _caches(k_cache, v_cache):
+def _caches(k_cache, v_cache, *, written=False):
+    """Storage views of the caches, checked; ``written``: the call stores into them."""
     k, kind = _arrays.float_storage(k_cache, "k_cache")
     v, v_kind = _arrays.float_storage(v_cache, "v_cache")
     if k.ndim != 4:
@@ -82,22 +85,43 @@ def _caches(k_cache, v_cache):
     for name, array in (("k_cache", k), ("v_cache", v)):
         if not array.flags.c_contiguous:
             raise ValueError(f"expected a C-contiguous {name}, got strides {array.strides}")
+        if written and not array.flags.writeable:
+            raise ValueError(f"expected a writeable {name}, got a read-only array")
     return k, v, kind
 
 
+def _real(value, name) -> float:
+    """A real-number argument as a float (a bool or a string is a mistake, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"expected {name} a real number, got {value!r}")
+    return float(value)
+
+
+def _positive_int(value, name, *, optional=False) -> int:
+    """An integer argument >= 1 (``optional``: None gives 0)."""
+    if value is None and optional:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"expected {name} {'None or ' if optional else ''}an integer >= 1, "
+                         f"got {value!r}")
+    return int(value)
+
+
+def _flag(value, name) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"expected {name} a bool, got {value!r}")
+    return bool(value)
+
+
 def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slopes, num_q_heads):
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"expected a finite scale, got {scale}")
-    if sliding_window is None:
-        window = 0
-    elif isinstance(sliding_window, (bool, float)) or int(sliding_window) < 1:
-        raise ValueError(f"expected sliding_window None or an integer >= 1, got {sliding_window!r}")
-    else:
-        window = int(sliding_window)
-    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-    if logits_soft_cap is not None and not (cap > 0.0 and math.isfinite(cap)):
-        raise ValueError(f"expected logits_soft_cap None or > 0, got {logits_soft_cap!r}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _real(scale, "scale")
+    if not abs(scale) <= _FLOAT32_MAX:  # the kernels take float32: 1e40 would become inf
+        raise ValueError(f"expected a finite scale within float32's range, got {scale}")
+    window = _positive_int(sliding_window, "sliding_window", optional=True)
+    cap = 0.0 if logits_soft_cap is None else _real(logits_soft_cap, "logits_soft_cap")
+    if logits_soft_cap is not None and not 0.0 < cap <= _FLOAT32_MAX:
+        raise ValueError(f"expected logits_soft_cap None or > 0 within float32's range, "
+                         f"got {logits_soft_cap!r}")
     if alibi_slopes is None:
         slopes = np.empty(0, np.float32)
     else:
@@ -165,12 +189,6 @@ def _prefetch_blocks(prefetch, cache) -> tuple[int, int]:
     return ahead, again if again < ahead and block_bytes >= PREFETCH_AGAIN_MIN_BLOCK else 0
 
 
-def _fast_bf16(fast_bf16) -> bool:
-    if not isinstance(fast_bf16, (bool, np.bool_)):
-        raise ValueError(f"expected fast_bf16 a bool, got {fast_bf16!r}")
-    return bool(fast_bf16)
-
-
 def _output(q, kind, shape, out):
     """The caller's out (checked), or a new array like q; plus a float32 buffer the kernel writes."""
     if out is None:
@@ -232,10 +250,8 @@ def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
     lens = _arrays.int_array(seq_lens, "seq_lens", 1)
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise ValueError(f"expected page_size a positive integer, got {page_size!r}")
-    window = _scalar_options(1, 1.0, sliding_window, None, None, 0)[1]
-    num_slots = numba.get_num_threads() if num_threads is None else int(num_threads)
-    if num_slots < 1:
-        raise ValueError(f"expected num_threads >= 1, got {num_threads!r}")
+    window = _positive_int(sliding_window, "sliding_window", optional=True)
+    num_slots = numba.get_num_threads() if num_threads is None else _positive_int(num_threads, "num_threads")
     min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
     items, slot_indptr, split_seqs, num_parts = _plan.plan_decode(
         lens, page_size, window, num_slots, min_chunk)
@@ -309,8 +325,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     num_pages, num_kv_heads, page_size, head_dim = k.shape
     num_seqs, num_q_heads = q32.shape[:2]
     table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
+    return_lse = _flag(return_lse, "return_lse")
     if plan is None:
         plan = plan_decode(lens, page_size=page_size, sliding_window=sliding_window)
+    elif not isinstance(plan, DecodePlan):
+        raise TypeError(f"expected plan None or a DecodePlan from plan_decode, got {type(plan).__name__}")
     elif ((plan.page_size, plan.window) != (page_size, window)
           or not np.array_equal(plan.seq_lens, lens)):
         raise ValueError("expected a plan made for these seq_lens, page_size and sliding_window, "
@@ -322,7 +341,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     _threads.start()
     _attention.decode(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, plan.items, plan.slot_indptr,
                       scale, window, cap, slopes, buffer, lse, part_out, part_lse,
-                      _prefetch_blocks(prefetch, k), _fast_bf16(fast_bf16))
+                      _prefetch_blocks(prefetch, k), _flag(fast_bf16, "fast_bf16"))
     if len(plan.split_seqs):
         _attention.merge_parts(part_out, part_lse, plan.split_seqs, buffer, lse)
     if buffer is not storage:
@@ -367,6 +386,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
         raise ValueError(f"expected qo_indptr nondecreasing from 0 to {num_tokens} (q's tokens), "
                          f"got {indptr.tolist() if indptr.size <= 8 else indptr}")
     table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
+    return_lse = _flag(return_lse, "return_lse")
     q_lens = np.diff(indptr)
     if np.any(q_lens > lens):
         s = int(np.argmax(q_lens > lens))
@@ -378,7 +398,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     _threads.start()
     _attention.prefill(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, indptr, items, slot_indptr,
                        scale, window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0],
-                       _fast_bf16(fast_bf16))
+                       _flag(fast_bf16, "fast_bf16"))
     if buffer is not storage:
         _from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result
@@ -397,7 +417,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     slot_mapping : int [num_tokens]
         ``page * page_size + offset`` of each token; negative = skip (padding).
     """
-    kc, vc, kind = _caches(k_cache, v_cache)
+    kc, vc, kind = _caches(k_cache, v_cache, written=True)
     num_pages, num_kv_heads, page_size, head_dim = kc.shape
     slots = _arrays.int_array(slot_mapping, "slot_mapping", 1).astype(np.int64)
     new = []
@@ -431,7 +451,7 @@ def copy_pages(k_cache, v_cache, src, dst):
     src, dst : int [num_copies]
         ``dst`` distinct and disjoint from ``src``.
     """
-    kc, vc, _ = _caches(k_cache, v_cache)
+    kc, vc, _ = _caches(k_cache, v_cache, written=True)
     src = _arrays.int_array(src, "src", 1)
     dst = _arrays.int_array(dst, "dst", 1)
     if src.shape != dst.shape:
@@ -493,7 +513,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         raise ValueError(f"expected o_a and o_b of one 3-D shape, got {arrays[0].shape} and {arrays[1].shape}")
     lses = []
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        array = np.ascontiguousarray(np.asarray(x), dtype=np.float32)
+        array = _lse_values(x, name)
         if array.shape != arrays[0].shape[:2]:
             raise ValueError(f"expected {name} of shape {arrays[0].shape[:2]}, got {array.shape}")
         lses.append(array)
@@ -502,3 +522,15 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     _threads.start()
     _cache_ops.merge_states(arrays[0], lses[0], arrays[1], lses[1], o, lse)
     return o, lse
+
+
+def _lse_values(x, name):
+    """float32 values of a log-sum-exp array: numpy of any float dtype (float64 too), or a torch
+    CPU tensor of float32, float16 or bfloat16."""
+    if _arrays.is_torch(x):
+        array, kind = _arrays.float_storage(x, name)
+        return np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32)
+    array = np.asarray(x)
+    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        raise TypeError(f"expected a float array for {name}, got {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.float32)

@@ -53,6 +53,14 @@ def test_seq_len_beyond_the_table(kv):
     (dict(logits_soft_cap=-1.0), ValueError, "expected logits_soft_cap None or > 0"),
     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"expected alibi_slopes of shape \(4,\)"),
     (dict(scale=float("nan")), ValueError, "expected a finite scale"),
+    (dict(scale=1e40), ValueError, "expected a finite scale within float32's range, got 1e"),
+    (dict(scale="1"), TypeError, "expected scale a real number, got '1'"),
+    (dict(sliding_window="2"), ValueError, "expected sliding_window None or an integer >= 1, got '2'"),
+    (dict(sliding_window=2.0), ValueError, "expected sliding_window None or an integer >= 1, got 2.0"),
+    (dict(logits_soft_cap=True), TypeError, "expected logits_soft_cap a real number, got True"),
+    (dict(logits_soft_cap=1e39), ValueError, "expected logits_soft_cap None or > 0 within float32"),
+    (dict(return_lse="yes"), ValueError, "expected return_lse a bool, got 'yes'"),
+    (dict(plan=1), TypeError, "expected plan None or a DecodePlan from plan_decode, got int"),
     (dict(out=np.zeros((2, 4, 64), np.float16)), ValueError, "expected out float32"),
     (dict(out=np.zeros((2, 4, 128), np.float32)[..., ::2]), ValueError, "C-contiguous"),
     (dict(prefetch=-1), ValueError, "expected prefetch a bool or a number of bytes >= 0, got -1"),
@@ -90,11 +98,26 @@ def test_merge_states_shapes():
         attention.merge_states(o, np.zeros((2, 3)), o, np.zeros(2))
     with pytest.raises(ValueError, match="expected o_a and o_b of one 3-D shape"):
         attention.merge_states(o, np.zeros((2, 3)), o[:1], np.zeros((1, 3)))
+    with pytest.raises(TypeError, match="expected a float array for lse_b, got <U1"):
+        attention.merge_states(o, np.zeros((2, 3)), o, np.full((2, 3), "x"))
+
+
+def test_cache_writers_refuse_read_only_caches(kv):
+    """A read-only cache (np.load(mmap_mode="r"), a frozen array) is refused before any write."""
+    k, v = kv.k.copy(), kv.v.copy()
+    v.setflags(write=False)
+    with pytest.raises(ValueError, match="expected a writeable v_cache, got a read-only array"):
+        attention.write_kv(np.ones((1, 2, 64), np.float32), np.ones((1, 2, 64), np.float32), k, v, [0])
+    with pytest.raises(ValueError, match="expected a writeable v_cache, got a read-only array"):
+        attention.copy_pages(k, v, [0], [1])
+    np.testing.assert_array_equal(k, kv.k)  # nothing written to the writeable one either
 
 
 @pytest.mark.parametrize("options, message", [
     (dict(page_size=0), "expected page_size a positive integer, got 0"),
-    (dict(page_size=16, num_threads=0), "expected num_threads >= 1, got 0"),
+    (dict(page_size=16, num_threads=0), "expected num_threads an integer >= 1, got 0"),
+    (dict(page_size=16, num_threads=1.5), "expected num_threads an integer >= 1, got 1.5"),
+    (dict(page_size=16, num_threads=True), "expected num_threads an integer >= 1, got True"),
     (dict(page_size=16, sliding_window=-3), "expected sliding_window None or an integer >= 1"),
 ])
 def test_plan_decode_bad_options(options, message):
