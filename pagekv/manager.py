@@ -186,7 +186,7 @@ class KVCacheManager:
     def pages_obtainable(self, *, keep=()) -> int:
         """Pages an allocation could get now: free ones plus cached ones no sequence uses (those in
         ``keep`` excepted)."""
-        return self._obtainable(set(keep))
+        return self._obtainable(_page_set(keep))
 
     def stats(self) -> ManagerStats:
         """Occupancy and prefix-cache figures (see :class:`ManagerStats`)."""
@@ -254,7 +254,7 @@ class KVCacheManager:
         OutOfPagesError
             Not enough pages even after evicting the prefix cache; nothing changed.
         """
-        if seq_id in self._rows:
+        if _new_id(self._rows, seq_id, "seq_id"):
             raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
         tokens = _tokens(token_ids)
         num_pages = self._num_pages(len(tokens))
@@ -345,7 +345,7 @@ class KVCacheManager:
     def fork(self, src_id, dst_id) -> None:
         """Make ``dst_id`` a copy of ``src_id`` that shares every page (refcounts up, no copy)."""
         src = self._row(src_id)
-        if dst_id in self._rows:
+        if _new_id(self._rows, dst_id, "dst_id"):
             raise ValueError(f"expected a new dst_id, got {dst_id!r}, which is already held")
         if not self._free_rows:
             raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
@@ -404,7 +404,7 @@ class KVCacheManager:
         """
         if not isinstance(record, DetachedSequence):
             raise TypeError(f"expected a DetachedSequence from detach(), got {type(record).__name__}")
-        if seq_id in self._rows:
+        if _new_id(self._rows, seq_id, "seq_id"):
             raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
         num_pages = self._num_pages(record.num_tokens)
         self._check_capacity(num_pages, record.num_tokens)
@@ -440,10 +440,11 @@ class KVCacheManager:
         """
         if self.prefix is None:
             raise ValueError("expected a manager with prefix caching, got enable_prefix_caching=False")
+        keys, keep = _prefix_keys(keys), _page_set(keep)
         cached = [key for key in keys if key in self.prefix.page_of]
         if cached or len(set(keys)) != len(keys):
             raise ValueError(f"expected distinct keys not cached yet, got {len(cached)} cached or repeated")
-        pages = self._take_pages(len(keys), keep=set(keep))
+        pages = self._take_pages(len(keys), keep=keep)
         for key, page in zip(keys, pages.tolist()):
             self.prefix.insert(key, page)  # the allocation's reference becomes the cache's
             self.prefix.evictable[page] = None
@@ -607,6 +608,30 @@ def _is_held(rows, seq_id):
         return seq_id in rows
     except TypeError:
         return False
+
+
+def _new_id(rows, seq_id, name) -> bool:
+    """Whether a hashable ``seq_id`` is held already; TypeError if it cannot be a dict key."""
+    try:
+        return seq_id in rows
+    except TypeError:
+        raise TypeError(f"expected a hashable {name}, got {type(seq_id).__name__} {seq_id!r}") from None
+
+
+def _page_set(keep) -> set:
+    """``keep`` (page ids) as a set of ints."""
+    try:
+        return {int(page) for page in keep}
+    except (TypeError, ValueError):
+        raise TypeError(f"expected keep an iterable of page ids, got {keep!r}") from None
+
+
+def _prefix_keys(keys) -> list:
+    """``keys`` as a list of bytes prefix keys (pagekv.prefix.chain_keys makes them)."""
+    keys = list(keys) if isinstance(keys, (list, tuple)) else keys
+    if not isinstance(keys, list) or not all(isinstance(key, bytes) for key in keys):
+        raise TypeError(f"expected keys a list of bytes prefix keys, got {keys!r:.80}")
+    return keys
 
 
 def _tokens(token_ids, *, allow_empty=False):

@@ -220,6 +220,12 @@ def busy():
     (lambda m: m.append_tokens(["a", "b"], [1]), ValueError, r"one token per sequence \(2\), got 1"),
     (lambda m: m.append_tokens(["a", "zz"], [1, 2]), UnknownSequenceError, "got 'zz'"),
     (lambda m: m.batch(["a"], num_new_tokens=7), ValueError, "expected 0 <= num_new_tokens <= seq_lens"),
+    (lambda m: m.add_sequence(["c"], [1]), TypeError, r"expected a hashable seq_id, got list \['c'\]"),
+    (lambda m: m.fork("a", {"c": 1}), TypeError, "expected a hashable dst_id, got dict"),
+    (lambda m: m.pages_obtainable(keep=3), TypeError, "expected keep an iterable of page ids, got 3"),
+    (lambda m: m.restore_cached([b"k" * 16], keep=None), TypeError, "expected keep an iterable of page ids"),
+    (lambda m: m.restore_cached([b"k" * 16, 7]), TypeError, "expected keys a list of bytes prefix keys"),
+    (lambda m: m.restore_cached(None), TypeError, "expected keys a list of bytes prefix keys, got None"),
 ])
 def test_bad_input_raises_and_changes_nothing(busy, call, error, message):
     before = snapshot(busy)
