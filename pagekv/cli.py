@@ -8,6 +8,8 @@
 """
 
 import argparse
+import math
+import os
 import re
 import sys
 
@@ -38,6 +40,24 @@ def _positive(text):
     return value
 
 
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _output_file(text):
+    """A path a file can be written to: checked before a long run, not after it."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"expected a file path in a writable folder, got {text!r}")
+    return text
+
+
 def _model_args(parser):
     group = parser.add_argument_group("model (a preset, or explicit shape flags)")
     group.add_argument("--model", choices=sorted(PRESETS), default="llama-3-8b",
@@ -45,7 +65,8 @@ def _model_args(parser):
     group.add_argument("--layers", type=_positive, help="number of layers (overrides the preset)")
     group.add_argument("--kv-heads", type=_positive, help="KV heads per layer (overrides the preset)")
     group.add_argument("--head-dim", type=_positive, help="head dimension (overrides the preset)")
-    group.add_argument("--params", type=float, help="parameter count, e.g. 8e9 (overrides the preset)")
+    group.add_argument("--params", type=_positive_float,
+                       help="parameter count, e.g. 8e9 (overrides the preset)")
     parser.add_argument("--memory", type=parse_size, default=parse_size("16GiB"),
                         help="KV-cache budget, e.g. 16GiB (default: 16GiB)")
     parser.add_argument("--page-size", type=_positive, default=16, help="tokens per page (default: 16)")
@@ -80,7 +101,7 @@ def build_parser():
                         help="generate Poisson arrivals with shared system prompts instead")
     sim.add_argument("--limit", type=_positive, help="only the first N requests of the trace")
     sim.add_argument("--num-requests", type=_positive, default=300, help="--synthetic: requests")
-    sim.add_argument("--rate", type=float, default=3.0, help="--synthetic: arrivals per second")
+    sim.add_argument("--rate", type=_positive_float, default=3.0, help="--synthetic: arrivals per second")
     sim.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     _model_args(sim)
     sim.add_argument("--max-seqs", type=_positive, default=256, help="running sequences at most")
@@ -93,9 +114,10 @@ def build_parser():
     sim.add_argument("--attention", action="store_true",
                      help="also run the real decode kernel on one layer of random KV pages "
                      "(every 16th step) and report its time per step and GB/s")
-    sim.add_argument("--plot", metavar="FILE.png", help="draw memory use and running sequences over "
-                     "time (needs matplotlib: pip install 'pagekv[plot]')")
-    sim.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    sim.add_argument("--plot", metavar="FILE.png", type=_output_file,
+                     help="draw memory use and running sequences over time (needs matplotlib: "
+                     "pip install 'pagekv[plot]')")
+    sim.add_argument("--json", metavar="FILE", type=_output_file, help="write every figure as JSON")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     plan = sub.add_parser("plan", help="bytes, pages and sequences that fit, for a model and budget",

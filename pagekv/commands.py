@@ -102,8 +102,11 @@ def simulate(args, model_of):
 
 
 def _dump_json(path, data):
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
+    except OSError as exc:  # the table above is printed already: only the file is lost
+        raise CommandError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def _progress(total, *, disable):
@@ -164,8 +167,12 @@ def _plot(results, path, *, title):
     top.legend(loc="upper right")
     top.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise CommandError(f"cannot write {path}: {exc.strerror}") from None
+    finally:
+        plt.close(fig)
 
 
 def _smooth(values, width=10):

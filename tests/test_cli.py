@@ -79,12 +79,29 @@ def test_missing_trace_file(tmp_path, capsys):
     assert "cannot read the trace" in capsys.readouterr().err
 
 
+def test_an_output_file_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """The folder passed the check when the flags were read, then went away before the write."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    from pagekv import commands
+    dump = commands._dump_json
+    monkeypatch.setattr(commands, "_dump_json", lambda path, data: (folder.rmdir(), dump(path, data)))
+    assert main(["simulate", "--synthetic", "--num-requests", "3", "--json", str(folder / "x.json"),
+                 "--no-progress"]) == 2
+    assert f"cannot write {folder / 'x.json'}: No such file or directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--memory", "lots"], "expected a size like 16GiB"),
     (["simulate", "--page-size", "0"], "expected a positive integer, got '0'"),
     (["simulate", "--model", "gpt-9"], "invalid choice"),
     (["plan", "--context", "-4"], "expected a positive integer"),
     (["frobnicate"], "invalid choice"),
+    (["simulate", "--synthetic", "--rate", "-1"], "expected a positive number, got '-1'"),
+    (["simulate", "--synthetic", "--rate", "nan"], "expected a positive number, got 'nan'"),
+    (["plan", "--params", "0"], "expected a positive number, got '0'"),
+    (["simulate", "--json", "/no/such/folder/out.json"], "expected a file path in a writable folder"),
+    (["simulate", "--plot", "."], "expected a file path in a writable folder, got '.'"),
 ])
 def test_bad_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
