@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kv_builders import PagedKV
-from pagekv import InvalidPageError, attention
+from pagekv import InvalidPageError, PagekvError, attention
 
 
 @pytest.fixture
@@ -123,3 +125,93 @@ def test_cache_writers_refuse_read_only_caches(kv):
 def test_plan_decode_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         attention.plan_decode([5, 9], **options)
+
+
+# ------------------------------------------------------------------ any wrong argument, at random
+def _strided(a):
+    return a[..., ::2] if a.ndim and a.shape[-1] > 1 else a[None]
+
+
+def _read_only(a):
+    a = a.copy()
+    a.setflags(write=False)
+    return a
+
+
+def _entry(value):
+    def set_first(a):
+        a = a.copy()
+        a.flat[0] = value
+        return a
+    return set_first
+
+
+# Each: (name, applies to this value?, the wrong value). Read-only caches are left to the writers:
+# reading through one is fine, and would compile every kernel again for read-only array types.
+ARRAY = lambda x: isinstance(x, np.ndarray)  # noqa: E731
+FLOATS = lambda x: ARRAY(x) and x.dtype.kind == "f"  # noqa: E731
+INTS = lambda x: ARRAY(x) and x.dtype.kind in "iu" and x.size > 0  # noqa: E731
+ANY = lambda x: True  # noqa: E731
+MUTATIONS = [
+    ("None", ANY, lambda x: None), ("a string", ANY, lambda x: "x"), ("a float", ANY, lambda x: 2.5),
+    ("True", ANY, lambda x: True), ("-1", ANY, lambda x: -1), ("10**12", ANY, lambda x: 10**12),
+    ("an object", ANY, lambda x: object()), ("[]", ANY, lambda x: []), ("[[1]]", ANY, lambda x: [[1]]),
+    ("float64", ARRAY, lambda a: a.astype(np.float64)), ("int64", ARRAY, lambda a: a.astype(np.int64)),
+    ("bool", ARRAY, lambda a: a.astype(bool)), ("complex", ARRAY, lambda a: a.astype(np.complex64)),
+    ("strided", ARRAY, _strided), ("one more axis", ARRAY, lambda a: a[None]),
+    ("flattened", ARRAY, lambda a: a.reshape(-1)), ("one row fewer", ARRAY, lambda a: a[1:]),
+    ("transposed", ARRAY, lambda a: a.T.copy() if a.ndim > 1 else a),
+    ("Fortran order", ARRAY, np.asfortranarray), ("a list", ARRAY, lambda a: a.tolist()),
+    ("float16", FLOATS, lambda a: a.astype(np.float16)), ("a NaN", FLOATS, _entry(np.nan)),
+    ("an entry past int32", INTS, lambda a: _entry(2**40)(a.astype(np.int64))),
+    ("a negative entry", INTS, _entry(-7)), ("a huge entry", INTS, _entry(2**31 - 1)),
+]
+READ_ONLY = ("read-only", FLOATS, _read_only)
+
+
+def _calls(rng):
+    """Every wrapper with valid arguments (float32 caches of 6 pages, 2 KV heads, page 16)."""
+    kv = PagedKV(rng, [40, 17], num_kv_heads=2, head_dim=64, page_size=16, kind="float32")
+    table, lens = kv.block_table, kv.seq_lens
+    options = dict(scale=None, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                   return_lse=False, out=None, prefetch=True, fast_bf16=True)
+    q = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    rows = rng.standard_normal((6, 4, 64), dtype=np.float32)
+    new = rng.standard_normal((2, 2, 64), dtype=np.float32)
+    free = sorted(set(range(kv.k.shape[0])) - set(table[table >= 0].tolist()))
+    o, lse = rng.standard_normal((2, 3, 8), dtype=np.float32), np.zeros((2, 3), np.float32)
+    return {
+        "paged_decode_attention": dict(q=q, k_cache=kv.k, v_cache=kv.v, block_table=table,
+                                       seq_lens=lens, plan=None, **options),
+        "paged_prefill_attention": dict(q=rows, k_cache=kv.k, v_cache=kv.v, block_table=table,
+                                        seq_lens=lens, qo_indptr=np.array([0, 4, 6], np.int32), **options),
+        "write_kv": dict(k=new, v=new.copy(), k_cache=kv.k, v_cache=kv.v,
+                         slot_mapping=np.array([free[0] * 16 + 3, -1], np.int64)),
+        "copy_pages": dict(k_cache=kv.k, v_cache=kv.v, src=table[0, :1].copy(),
+                           dst=np.array(free[:1], np.int32)),
+        "gather_kv": dict(k_cache=kv.k, v_cache=kv.v, block_table=table, seq_lens=lens),
+        "merge_states": dict(o_a=o, lse_a=lse, o_b=o.copy(), lse_b=lse.copy()),
+    }
+
+
+@given(data=st.data())
+@settings(max_examples=300)
+def test_any_wrong_argument_is_refused_cleanly_and_writes_nothing(data):
+    """One argument of one wrapper replaced by a wrong value: the call works or raises
+    ValueError/TypeError/PagekvError saying "expected ..." — never another error from deeper
+    down (Numba typing, numpy indexing, an attribute) — and a refused call writes no cache."""
+    calls = _calls(np.random.default_rng(data.draw(st.integers(0, 3), label="seed")))
+    op = data.draw(st.sampled_from(sorted(calls)), label="op")
+    args = calls[op]
+    name = data.draw(st.sampled_from(sorted(args)), label="argument")
+    writer = op in ("write_kv", "copy_pages")
+    usable = [m for m in MUTATIONS + [READ_ONLY] * writer if m[1](args[name])]
+    label, _, mutate = data.draw(st.sampled_from(usable), label="mutation")
+    args[name] = mutate(args[name])
+    caches = {c: args[c].copy() for c in ("k_cache", "v_cache") if isinstance(args.get(c), np.ndarray)}
+    try:
+        getattr(attention, op)(**args)
+    except (ValueError, TypeError, PagekvError) as exc:
+        assert "expected" in str(exc), f"{op}({name}={label}): {exc!r}"
+        for c, before in caches.items():
+            np.testing.assert_array_equal(args[c], before)
