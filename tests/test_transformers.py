@@ -34,6 +34,7 @@ def tiny(family="llama", *, dtype=torch.float32, **overrides):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[family]
     options = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
@@ -57,8 +58,9 @@ def left_padded(lengths, *, seed=1, prefix=()):
 
 
 def reference(model, ids, mask, **kwargs):
-    """transformers' default path: DynamicCache + sdpa (the model's attention before any pool)."""
-    assert model.config._attn_implementation == "sdpa"
+    """transformers' default path: DynamicCache + sdpa, or eager where transformers has no sdpa
+    (Gemma2): the model's attention before any pool."""
+    assert model.config._attn_implementation in ("sdpa", "eager")
     return model.generate(input_ids=ids, attention_mask=mask, **GREEDY, **kwargs)
 
 
@@ -136,8 +138,11 @@ def test_pages_hold_the_keys_and_values_transformers_computes(llama):
 @pytest.mark.parametrize("family, overrides", [
     ("mistral", dict(sliding_window=24)),  # window shorter than the prompts: the kernels' window
     ("qwen2", dict()),                      # q/k/v biases
+    # scores soft-capped (weights 10x the default scale, so the cap bends scores: without it the
+    # logits move by 3.6), sliding and full layers alternating, scale 1/sqrt(256) at head_dim 32
+    ("gemma2", dict(head_dim=32, sliding_window=24, attn_logit_softcapping=1.0, initializer_range=0.2)),
 ])
-def test_other_families_match_sdpa(family, overrides):
+def test_other_families_match_transformers(family, overrides):
     model = tiny(family, **overrides)
     ids, mask = left_padded([30, 47, 11], seed=6)
     ref = reference(model, ids, mask, max_new_tokens=16)
