@@ -179,85 +179,96 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
-@njit(inline="always", **_JIT)
-def _page_scores_tiled(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again,
-                       float32):
-    """:func:`_page_scores` by register tiles (kernels/_bf16_dot.py), head_dim a multiple of 16:
-    bfloat16 pages by vdpbf16ps (``float32`` False), or float32 pages by FMAs (``float32`` True).
+def _tiled_loops(float32):
+    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32
+    pages by FMA tiles (``float32`` True) or bfloat16 pages by vdpbf16ps tiles (False).
 
-    q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled, or float32; the
-    scores are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the page's last
-    num_tokens % 4 keys and the rows left over take narrower tiles. Each key row's lines of the
-    blocks at addresses ``ahead`` and ``again`` (0: none) are prefetched by the first row tile.
+    ``float32`` is a constant of the returned functions, so Numba drops the other kind's branches
+    before compiling: each call site compiles one kind of tiles, not both.
     """
-    head_dim = kc.shape[3]
-    k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
-    block = block_address(kc, kp, kh)
-    r = r0
-    while r < r0 + num_rows:
-        four_rows = r + 4 <= r0 + num_rows
-        q_r = q.ctypes.data + r * q_row
-        out = scores.ctypes.data + r * s_row + col * 4
-        for t in range(0, num_tokens, 4):
-            pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
-            pf_again = again + t * k_row if (again != 0 and r == r0) else 0
-            k_t, out_t = block + t * k_row, out + t * 4
-            if t + 4 <= num_tokens:
-                if four_rows and float32:
-                    bf16.qk_f32_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
-                elif four_rows:
-                    bf16.qk_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
-                elif float32:
-                    bf16.qk_f32_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+    @njit(inline="always", **_JIT)
+    def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        """:func:`_page_scores` by register tiles (kernels/_bf16_dot.py), head_dim a multiple of 16:
+        bfloat16 pages by vdpbf16ps (``float32`` False), or float32 pages by FMAs (``float32`` True).
+
+        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled, or float32; the
+        scores are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the page's last
+        num_tokens % 4 keys and the rows left over take narrower tiles. Each key row's lines of the
+        blocks at addresses ``ahead`` and ``again`` (0: none) are prefetched by the first row tile.
+        """
+        head_dim = kc.shape[3]
+        k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
+        block = block_address(kc, kp, kh)
+        r = r0
+        while r < r0 + num_rows:
+            four_rows = r + 4 <= r0 + num_rows
+            q_r = q.ctypes.data + r * q_row
+            out = scores.ctypes.data + r * s_row + col * 4
+            for t in range(0, num_tokens, 4):
+                pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
+                pf_again = again + t * k_row if (again != 0 and r == r0) else 0
+                k_t, out_t = block + t * k_row, out + t * 4
+                if t + 4 <= num_tokens:
+                    if four_rows and float32:
+                        bf16.qk_f32_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    elif four_rows:
+                        bf16.qk_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    elif float32:
+                        bf16.qk_f32_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    else:
+                        bf16.qk_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    continue
+                for u in range(t, num_tokens):
+                    pf_u = pf + (u - t) * k_row if pf != 0 else 0
+                    again_u = pf_again + (u - t) * k_row if pf_again != 0 else 0
+                    k_u, out_u = block + u * k_row, out + u * 4
+                    if four_rows and float32:
+                        bf16.qk_f32_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
+                    elif four_rows:
+                        bf16.qk_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
+                    elif float32:
+                        bf16.qk_f32_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
+                    else:
+                        bf16.qk_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
+            r += 4 if four_rows else 1
+
+    @njit(inline="always", **_JIT)
+    def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        """:func:`_page_accumulate` by register tiles of 4 accumulator rows (1 for rows left over),
+        head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (``float32``
+        False; col even), or float32 pages by FMAs (``float32`` True).
+
+        probs : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`, or float32
+        [rows, cols], the probabilities themselves (the scores array). The first row tile prefetches
+        the blocks at addresses ``ahead`` and ``again`` (0: none).
+        """
+        head_dim = vc.shape[3]
+        block = block_address(vc, vp, vh)
+        a_row, p_row = acc.strides[0], probs.strides[0]
+        first_prob = col * 4 if float32 else (col // 2) * 4
+        r = r0
+        while r < r0 + num_rows:
+            pf, pf_again = (ahead, again) if r == r0 else (0, 0)
+            a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
+            v_row = vc.strides[2]
+            if r + 4 <= r0 + num_rows:
+                if float32:
+                    bf16.pv_f32_4(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
                 else:
-                    bf16.qk_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
-                continue
-            for u in range(t, num_tokens):
-                pf_u = pf + (u - t) * k_row if pf != 0 else 0
-                again_u = pf_again + (u - t) * k_row if pf_again != 0 else 0
-                k_u, out_u = block + u * k_row, out + u * 4
-                if four_rows and float32:
-                    bf16.qk_f32_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
-                elif four_rows:
-                    bf16.qk_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
-                elif float32:
-                    bf16.qk_f32_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
+                    bf16.pv_4(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
+                r += 4
+            else:
+                if float32:
+                    bf16.pv_f32_1(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
                 else:
-                    bf16.qk_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
-        r += 4 if four_rows else 1
+                    bf16.pv_1(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
+                r += 1
+
+    return page_scores, page_accumulate
 
 
-@njit(inline="always", **_JIT)
-def _page_accumulate_tiled(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again,
-                           float32):
-    """:func:`_page_accumulate` by register tiles of 4 accumulator rows (1 for rows left over),
-    head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (``float32``
-    False; col even), or float32 pages by FMAs (``float32`` True).
-
-    probs : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`, or float32
-    [rows, cols], the probabilities themselves (the scores array). The first row tile prefetches
-    the blocks at addresses ``ahead`` and ``again`` (0: none).
-    """
-    head_dim = vc.shape[3]
-    block = block_address(vc, vp, vh)
-    a_row, p_row = acc.strides[0], probs.strides[0]
-    first_prob = col * 4 if float32 else (col // 2) * 4
-    r = r0
-    while r < r0 + num_rows:
-        pf, pf_again = (ahead, again) if r == r0 else (0, 0)
-        a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
-        if r + 4 <= r0 + num_rows:
-            if float32:
-                bf16.pv_f32_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
-            else:
-                bf16.pv_4(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
-            r += 4
-        else:
-            if float32:
-                bf16.pv_f32_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
-            else:
-                bf16.pv_1(a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
-            r += 1
+_page_scores_f32, _page_accumulate_f32 = _tiled_loops(True)
+_page_scores_bf16, _page_accumulate_bf16 = _tiled_loops(False)
 
 
 @njit(inline="always", **_JIT)
@@ -419,7 +430,97 @@ def _finish_row(acc_row, m_r, l_r, out_row):
     return m_r + math.log(l_r)
 
 
-@njit(parallel=True, **_JIT)
+def _decode_kernel(float32_pages):
+    """The kernel of :func:`decode` for one storage: float32 pages (``float32_pages`` True: the FMA
+    tiles or Numba's loops) or 16-bit pages (False: the vdpbf16ps tiles or the loops).
+
+    ``float32_pages`` is a constant of the kernel, so each compiles only its own kind of tiles:
+    a cold compile of decode took 27-31 s with both kinds in one kernel, 20-23 s per storage now
+    (this VM, noisy), and a float32 cache never needs the bfloat16 kernel. Memory-bound speed is
+    unchanged (S1/S2/S3, paired rounds: 0.99-1.02x the time); the generated code differs only
+    where the other kind's tiles were.
+    """
+    @njit(parallel=True, **_JIT)
+    def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
+               window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks,
+               dot_products):
+        num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        num_q_heads = q.shape[1]
+        group = num_q_heads // num_kv_heads
+        chunk_pages = max(1, CHUNK_TOKENS // page_size)
+        # float32 pages: the FMA tiles. Against Numba's loops, MHA read 2-10% faster from memory and
+        # 25-45% from cache (head_dim 64/80/128, 8-32 heads); GQA, with each line prefetched twice,
+        # 0-18% faster from memory and 10-50% from cache (kernels/_bf16_dot.py has the exceptions).
+        tiles = _takes_f32_tiles(k_cache, kv_format) if float32_pages else \
+            _takes_dot_products(k_cache, kv_format, dot_products)
+        dots = tiles and not float32_pages  # the bfloat16 tiles' rounded queries and probabilities
+        # Numba's loops ask for each line once (kernels/prefetch.py): no second block address for them.
+        distances = (prefetch_blocks[0], prefetch_blocks[1] if tiles else 0)
+        for slot in prange(slot_indptr.shape[0] - 1):
+            qs, acc, m, l, qpos, scores = _slot_scratch(
+                num_q_heads, chunk_pages * page_size, head_dim)
+            q_bits, packed = _dot_scratch(num_q_heads, chunk_pages * page_size, head_dim, dots)
+            for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
+                seq, page_begin, page_end, part = items[item]
+                seq_len = seq_lens[seq]
+                for h in range(num_q_heads):
+                    _start_row(q, seq, h, h, scale, dots, qs, q_bits, acc, m, l)
+                qpos[:] = seq_len - 1
+                for first in range(page_begin, page_end, chunk_pages):
+                    last = min(first + chunk_pages, page_end)
+                    key0 = first * page_size
+                    num_cols = min((last - first) * page_size, seq_len - key0)
+                    for p in range(first, last):  # scores of every head, page by page (contiguous)
+                        page = block_table[seq, p]
+                        num_tokens = min(page_size, seq_len - p * page_size)
+                        for head in range(num_kv_heads):
+                            ahead, again = _blocks_ahead(
+                                k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
+                                page_end, chunk_pages, False, distances)
+                            if not tiles:
+                                _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
+                                             num_tokens, scores, (p - first) * page_size, ahead)
+                            elif float32_pages:  # the queries are scaled already
+                                _page_scores_f32(qs, head * group, group, k_cache, page, head,
+                                                 num_tokens, np.float32(1.0), scores,
+                                                 (p - first) * page_size, ahead, again)
+                            else:
+                                _page_scores_bf16(q_bits, head * group, group, k_cache, page, head,
+                                                  num_tokens, scale, scores, (p - first) * page_size,
+                                                  ahead, again)
+                    masked = window > 0 and key0 <= seq_len - 1 - window
+                    _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
+                                    soft_cap, alibi_slopes, m, l, acc)
+                    if dots:
+                        bf16.pack_pairs(scores, 0, num_q_heads, num_cols, packed)
+                    for p in range(first, last):
+                        page = block_table[seq, p]
+                        num_tokens = min(page_size, seq_len - p * page_size)
+                        for head in range(num_kv_heads):
+                            ahead, again = _blocks_ahead(
+                                k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
+                                page_end, chunk_pages, True, distances)
+                            if not tiles:
+                                _page_accumulate(scores, head * group, group, (p - first) * page_size,
+                                                 v_cache, page, head, kv_format, num_tokens, acc, ahead)
+                            elif float32_pages:
+                                _page_accumulate_f32(scores, head * group, group, (p - first) * page_size,
+                                                     v_cache, page, head, num_tokens, acc, ahead, again)
+                            else:
+                                _page_accumulate_bf16(packed, head * group, group, (p - first) * page_size,
+                                                      v_cache, page, head, num_tokens, acc, ahead, again)
+                for h in range(num_q_heads):
+                    if part < 0:
+                        lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
+                    else:
+                        part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h])
+
+    return decode
+
+
+_DECODE = {True: _decode_kernel(True), False: _decode_kernel(False)}
+
+
 def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
            window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, dot_products):
     """Decode attention over planned work items.
@@ -440,77 +541,9 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     bfloat16 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
     kernels/_bf16_dot.py), when the shape allows.
     """
-    num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    num_q_heads = q.shape[1]
-    group = num_q_heads // num_kv_heads
-    chunk_pages = max(1, CHUNK_TOKENS // page_size)
-    dots = _takes_dot_products(k_cache, kv_format, dot_products)
-    # float32 pages: the FMA tiles. Against Numba's loops, MHA read 2-10% faster from memory and
-    # 25-45% from cache (head_dim 64/80/128, 8-32 heads); GQA, with each line prefetched twice,
-    # 0-18% faster from memory and 10-50% from cache (kernels/_bf16_dot.py has the exceptions).
-    f32_tiles = _takes_f32_tiles(k_cache, kv_format)
-    # Numba's loops ask for each line once (kernels/prefetch.py): no second block address for them.
-    distances = (prefetch_blocks[0], prefetch_blocks[1] if dots or f32_tiles else 0)
-    for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores = _slot_scratch(
-            num_q_heads, chunk_pages * page_size, head_dim)
-        q_bits, packed = _dot_scratch(num_q_heads, chunk_pages * page_size, head_dim, dots)
-        for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
-            seq, page_begin, page_end, part = items[item]
-            seq_len = seq_lens[seq]
-            for h in range(num_q_heads):
-                _start_row(q, seq, h, h, scale, dots, qs, q_bits, acc, m, l)
-            qpos[:] = seq_len - 1
-            for first in range(page_begin, page_end, chunk_pages):
-                last = min(first + chunk_pages, page_end)
-                key0 = first * page_size
-                num_cols = min((last - first) * page_size, seq_len - key0)
-                for p in range(first, last):  # scores of every head, page by page (contiguous)
-                    page = block_table[seq, p]
-                    num_tokens = min(page_size, seq_len - p * page_size)
-                    for head in range(num_kv_heads):
-                        ahead, again = _blocks_ahead(
-                            k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
-                            page_end, chunk_pages, False, distances)
-                        if dots:
-                            _page_scores_tiled(q_bits, head * group, group, k_cache, page, head,
-                                               num_tokens, scale, scores, (p - first) * page_size,
-                                               ahead, again, False)
-                        elif f32_tiles:  # the queries are scaled already
-                            _page_scores_tiled(qs, head * group, group, k_cache, page, head,
-                                               num_tokens, np.float32(1.0), scores,
-                                               (p - first) * page_size, ahead, again, True)
-                        else:
-                            _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
-                                         num_tokens, scores, (p - first) * page_size, ahead)
-                masked = window > 0 and key0 <= seq_len - 1 - window
-                _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
-                                soft_cap, alibi_slopes, m, l, acc)
-                if dots:
-                    bf16.pack_pairs(scores, 0, num_q_heads, num_cols, packed)
-                for p in range(first, last):
-                    page = block_table[seq, p]
-                    num_tokens = min(page_size, seq_len - p * page_size)
-                    for head in range(num_kv_heads):
-                        ahead, again = _blocks_ahead(
-                            k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
-                            page_end, chunk_pages, True, distances)
-                        if dots:
-                            _page_accumulate_tiled(packed, head * group, group, (p - first) * page_size,
-                                                   v_cache, page, head, num_tokens, acc, ahead, again,
-                                                   False)
-                        elif f32_tiles:
-                            _page_accumulate_tiled(scores, head * group, group, (p - first) * page_size,
-                                                   v_cache, page, head, num_tokens, acc, ahead, again,
-                                                   True)
-                        else:
-                            _page_accumulate(scores, head * group, group, (p - first) * page_size,
-                                             v_cache, page, head, kv_format, num_tokens, acc, ahead)
-            for h in range(num_q_heads):
-                if part < 0:
-                    lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
-                else:
-                    part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h])
+    _DECODE[k_cache.dtype == np.float32](
+        q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale, window,
+        soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, dot_products)
 
 
 @njit(parallel=True, **_JIT)
@@ -559,6 +592,10 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     group = q.shape[1] // num_kv_heads
     max_rows = QUERY_BLOCK * group
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
+    # One kernel for both storages, unlike decode (:func:`_decode_kernel`): compiled per storage,
+    # prefill's bfloat16 machine code changed (390 -> 385 vdpbf16ps), and A/B runs read 0.87-1.06x
+    # the time, as wide as an A/A control of identical code here (0.88-1.01x). ~6 s of compile per
+    # storage is not worth a risk to compute-bound prefill that this VM cannot measure.
     dots = _takes_dot_products(k_cache, kv_format, dot_products)
     # float32 pages: the FMA score and value tiles (compute-bound here: 1.4-1.7x faster than
     # Numba's loops, kernels/_bf16_dot.py), as in decode. The queries are scaled already.
@@ -594,13 +631,13 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                     ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
                     num_tokens = min(page_size, seq_len - p * page_size)
                     if dots:
-                        _page_scores_tiled(q_bits, 0, num_rows, k_cache, block_table[seq, p], head,
+                        _page_scores_bf16(q_bits, 0, num_rows, k_cache, block_table[seq, p], head,
                                            num_tokens, scale, scores, (p - first) * page_size,
-                                           ahead, 0, False)
+                                           ahead, 0)
                     elif f32_tiles:
-                        _page_scores_tiled(qs, 0, num_rows, k_cache, block_table[seq, p], head,
+                        _page_scores_f32(qs, 0, num_rows, k_cache, block_table[seq, p], head,
                                            num_tokens, np.float32(1.0), scores, (p - first) * page_size,
-                                           ahead, 0, True)
+                                           ahead, 0)
                     else:
                         _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
                                      num_tokens, scores, (p - first) * page_size, ahead)
@@ -615,13 +652,11 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
                     ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
                     num_tokens = min(page_size, seq_len - p * page_size)
                     if dots:
-                        _page_accumulate_tiled(packed, 0, num_rows, (p - first) * page_size, v_cache,
-                                               block_table[seq, p], head, num_tokens, acc, ahead, 0,
-                                               False)
+                        _page_accumulate_bf16(packed, 0, num_rows, (p - first) * page_size, v_cache,
+                                               block_table[seq, p], head, num_tokens, acc, ahead, 0)
                     elif f32_tiles:
-                        _page_accumulate_tiled(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                               block_table[seq, p], head, num_tokens, acc, ahead, 0,
-                                               True)
+                        _page_accumulate_f32(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                               block_table[seq, p], head, num_tokens, acc, ahead, 0)
                     else:
                         _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
                                          block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
