@@ -119,6 +119,8 @@ class KVCacheManager:
                             ("max_seqs", max_seqs), ("max_pages_per_seq", max_pages_per_seq)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"expected {name} a positive integer, got {value!r}")
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise ValueError(f"expected enable_prefix_caching a bool, got {enable_prefix_caching!r}")
         if (num_pages - 1) * page_size + page_size - 1 > _MAX_TOKEN:
             raise ValueError(f"expected num_pages * page_size below 2**31 (int32 slots), "
                              f"got {num_pages} * {page_size}")

@@ -257,6 +257,7 @@ def test_append_tokens_past_max_pages_changes_nothing():
 @pytest.mark.parametrize("options, message", [
     (dict(num_pages=0), "num_pages"), (dict(page_size=1.5), "page_size"),
     (dict(max_seqs=True), "max_seqs"), (dict(num_pages=2**30, page_size=4), "below 2\\*\\*31"),
+    (dict(enable_prefix_caching="no"), "expected enable_prefix_caching a bool, got 'no'"),
 ])
 def test_bad_construction(options, message):
     with pytest.raises(ValueError, match=message):

@@ -203,6 +203,17 @@ def test_pagekv_attention_without_a_paged_cache_says_so(llama):
         llama(input_ids=ids, attention_mask=mask, **{CACHE: DynamicCache(config=llama.config)})
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(num_pages="64"), "expected num_pages a positive integer, got '64'"),
+    (dict(num_pages=0), "expected num_pages a positive integer, got 0"),
+    (dict(num_pages=64, enable_prefix_caching="no"), "expected enable_prefix_caching a bool"),
+])
+def test_a_bad_pool_size_or_flag_is_refused_and_the_model_keeps_its_attention(llama, options, message):
+    with pytest.raises(ValueError, match=message):
+        PagedKVPool(llama, **options)
+    assert llama.config._attn_implementation == "sdpa"
+
+
 def test_inputs_embeds_only_is_refused(llama):
     pool = PagedKVPool(llama, num_pages=16)
     embeds = llama.get_input_embeddings()(torch.tensor([[5, 6, 7]]))

@@ -41,7 +41,7 @@ from pagekv.attention import (
 from pagekv.cache import KVCache
 from pagekv.errors import PagekvError
 from pagekv.manager import KVCacheManager, ManagerStats
-from pagekv.spec import KVCacheSpec
+from pagekv.spec import KVCacheSpec, pool_shape
 
 __all__ = ["ATTENTION", "PagedKVPool", "PagedCache", "paged_attention", "register"]
 
@@ -200,17 +200,17 @@ class PagedKVPool:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_q_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_q_heads,
             page_size=page_size, dtype=_DTYPES[model.dtype])
+        shape = pool_shape(self.spec, num_pages)  # checks num_pages
+        num_pages = shape[2]
         max_tokens = getattr(config, "max_position_embeddings", None) or num_pages * page_size
         self.manager = KVCacheManager(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
                                       max_pages_per_seq=min(num_pages, -(-max_tokens // page_size)),
                                       enable_prefix_caching=enable_prefix_caching)
-        s = self.spec
         # in huge pages (pagekv/_arrays.py says why: torch.zeros here read 1.17-1.19x slower)
-        self.storage = torch_zeros_on_line(
-            (s.num_layers, 2, num_pages, s.num_kv_heads, s.page_size, s.head_dim), model.dtype)
+        self.storage = torch_zeros_on_line(shape, model.dtype)
         self.kv = KVCache(self.spec, num_pages, storage=self.storage)  # numpy views, no copy
-        self._k = [self.storage[layer, 0] for layer in range(s.num_layers)]
-        self._v = [self.storage[layer, 1] for layer in range(s.num_layers)]
+        self._k = [self.storage[layer, 0] for layer in range(self.spec.num_layers)]
+        self._v = [self.storage[layer, 1] for layer in range(self.spec.num_layers)]
         self._ids = itertools.count()
         self._running: PagedCache | None = None  # the cache of the forward under way
         self._model = model
