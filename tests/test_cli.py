@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from pagekv.cli import main
@@ -119,13 +120,20 @@ def test_plan_computes_the_design_notes_example(capsys):
     assert "contiguous        2 " in out        # 80 GiB / (131,072 x 327,680 B)
 
 
-def test_info_and_bench(capsys):
+def test_info_and_bench(capsys, monkeypatch):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "numba" in out and "threads" in out and "cache" in out
+    from pagekv import attention
+    decode, caches = attention.paged_decode_attention, []
+    monkeypatch.setattr(attention, "paged_decode_attention",
+                        lambda q, k, v, *a, **kw: (caches.append((k, v)), decode(q, k, v, *a, **kw))[1])
     assert main(["bench"]) == 0
     out = capsys.readouterr().out
     assert "streaming read" in out and "decode S1 bfloat16" in out and "ns per page" in out
+    # K and V in one array read each page twice from cache and counted it twice: 139% of the roof
+    s1 = [(k, v) for k, v in caches if k.shape[0] == 16 * 128]  # not warmup()'s tiny caches
+    assert len(s1) >= 2 and not any(np.shares_memory(k, v) for k, v in s1)
 
 
 def test_the_installed_command_explains_itself():
