@@ -179,14 +179,17 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
-def _tiled_loops(float32):
+def _tiled_loops(float32, *, inline=True):
     """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32
     pages by FMA tiles (``float32`` True) or bfloat16 pages by vdpbf16ps tiles (False).
 
     ``float32`` is a constant of the returned functions, so Numba drops the other kind's branches
-    before compiling: each call site compiles one kind of tiles, not both.
+    before compiling: each call site compiles one kind of tiles, not both. ``inline`` False
+    compiles them as functions of their own, called per page, not inlined into the kernel.
     """
-    @njit(inline="always", **_JIT)
+    jit = njit(inline="always" if inline else "never", **_JIT)
+
+    @jit
     def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
         """:func:`_page_scores` by register tiles (kernels/_bf16_dot.py), head_dim a multiple of 16:
         bfloat16 pages by vdpbf16ps (``float32`` False), or float32 pages by FMAs (``float32`` True).
@@ -232,7 +235,7 @@ def _tiled_loops(float32):
                         bf16.qk_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
             r += 4 if four_rows else 1
 
-    @njit(inline="always", **_JIT)
+    @jit
     def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
         """:func:`_page_accumulate` by register tiles of 4 accumulator rows (1 for rows left over),
         head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (``float32``
@@ -269,6 +272,11 @@ def _tiled_loops(float32):
 
 _page_scores_f32, _page_accumulate_f32 = _tiled_loops(True)
 _page_scores_bf16, _page_accumulate_bf16 = _tiled_loops(False)
+# Prefill's bfloat16 kernel calls its tile loops as functions: inlined into a kernel of its own
+# (:func:`_prefill_kernel`) they ran 5-13% slower (8/2x64, 32/8x128, 16/16x64, 12 process pairs),
+# called they run as fast as they did inlined into the old kernel that held both kinds (0.99-1.01),
+# and compile 2 s faster. Decode keeps them inlined: called, it was 6-16% slower from cache.
+_prefill_scores_bf16, _prefill_accumulate_bf16 = _tiled_loops(False, inline=False)
 
 
 @njit(inline="always", **_JIT)
@@ -576,7 +584,95 @@ def merge_parts(part_out, part_lse, split_seqs, out, lse):
             lse[seq, h] = top + math.log(total)
 
 
-@njit(parallel=True, **_JIT)
+def _prefill_kernel(float32_pages):
+    """The kernel of :func:`prefill` for one storage, as :func:`_decode_kernel` is for decode: a
+    cold compile of prefill took 21-22 s per storage with both kinds of tiles in one kernel,
+    12-15 s now; its speed is unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
+    @njit(parallel=True, **_JIT)
+    def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
+                scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products):
+        num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // num_kv_heads
+        max_rows = QUERY_BLOCK * group
+        chunk_pages = max(1, CHUNK_TOKENS // page_size)
+        # float32 pages: the FMA score and value tiles (compute-bound here: 1.4-1.7x faster than
+        # Numba's loops, kernels/_bf16_dot.py), as in decode. The queries are scaled already.
+        tiles = _takes_f32_tiles(k_cache, kv_format) if float32_pages else \
+            _takes_dot_products(k_cache, kv_format, dot_products)
+        dots = tiles and not float32_pages
+        for slot in prange(slot_indptr.shape[0] - 1):
+            qs, acc, m, l, qpos, scores = _slot_scratch(
+                max_rows, chunk_pages * page_size, head_dim)
+            q_bits, packed = _dot_scratch(max_rows, chunk_pages * page_size, head_dim, dots)
+            slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
+            for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
+                seq, head, row_begin, row_end = items[item]
+                seq_len = seq_lens[seq]
+                first_pos = seq_len - (qo_indptr[seq + 1] - qo_indptr[seq])  # position of row qo_indptr[seq]
+                num_rows = (row_end - row_begin) * group
+                for i in range(row_end - row_begin):
+                    for g in range(group):
+                        r = i * group + g
+                        _start_row(q, row_begin + i, head * group + g, r, scale, dots, qs, q_bits, acc,
+                                   m, l)
+                        qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
+                        if slopes.shape[0] > 0:
+                            slopes[r] = alibi_slopes[head * group + g]
+                low, high = qpos[0], qpos[num_rows - 1]
+                page_begin = max(low - window + 1, 0) // page_size if window > 0 else 0
+                page_end = high // page_size + 1
+                for first in range(page_begin, page_end, chunk_pages):
+                    last = min(first + chunk_pages, page_end)
+                    key0 = first * page_size
+                    num_cols = min((last - first) * page_size, seq_len - key0)
+                    for p in range(first, last):
+                        in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
+                                                        chunk_pages, False, prefetch_blocks)
+                        ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
+                        num_tokens = min(page_size, seq_len - p * page_size)
+                        if not tiles:
+                            _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
+                                         num_tokens, scores, (p - first) * page_size, ahead)
+                        elif float32_pages:
+                            _page_scores_f32(qs, 0, num_rows, k_cache, block_table[seq, p], head,
+                                             num_tokens, np.float32(1.0), scores, (p - first) * page_size,
+                                             ahead, 0)
+                        else:
+                            _prefill_scores_bf16(q_bits, 0, num_rows, k_cache, block_table[seq, p],
+                                                 head, num_tokens, scale, scores,
+                                                 (p - first) * page_size, ahead, 0)
+                    masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
+                    _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
+                                    slopes, m, l, acc)
+                    if dots:
+                        bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
+                    for p in range(first, last):
+                        in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
+                                                        chunk_pages, True, prefetch_blocks)
+                        ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
+                        num_tokens = min(page_size, seq_len - p * page_size)
+                        if not tiles:
+                            _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                             block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
+                        elif float32_pages:
+                            _page_accumulate_f32(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                                 block_table[seq, p], head, num_tokens, acc, ahead, 0)
+                        else:
+                            _prefill_accumulate_bf16(packed, 0, num_rows, (p - first) * page_size,
+                                                     v_cache, block_table[seq, p], head, num_tokens,
+                                                     acc, ahead, 0)
+                for i in range(row_end - row_begin):
+                    for g in range(group):
+                        r = i * group + g
+                        lse[row_begin + i, head * group + g] = _finish_row(
+                            acc[r], m[r], l[r], out[row_begin + i, head * group + g])
+
+    return prefill
+
+
+_PREFILL = {True: _prefill_kernel(True), False: _prefill_kernel(False)}
+
+
 def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
             scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products):
     """Causal attention of each sequence's new tokens over its whole paged context.
@@ -588,80 +684,6 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     pages); the tiles are not asked again nearer: that made prefill 1-4% slower (compute-bound).
     dot_products : bool, as in :func:`decode`.
     """
-    num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    max_rows = QUERY_BLOCK * group
-    chunk_pages = max(1, CHUNK_TOKENS // page_size)
-    # One kernel for both storages, unlike decode (:func:`_decode_kernel`): compiled per storage,
-    # prefill's bfloat16 machine code changed (390 -> 385 vdpbf16ps), and A/B runs read 0.87-1.06x
-    # the time, as wide as an A/A control of identical code here (0.88-1.01x). ~6 s of compile per
-    # storage is not worth a risk to compute-bound prefill that this VM cannot measure.
-    dots = _takes_dot_products(k_cache, kv_format, dot_products)
-    # float32 pages: the FMA score and value tiles (compute-bound here: 1.4-1.7x faster than
-    # Numba's loops, kernels/_bf16_dot.py), as in decode. The queries are scaled already.
-    f32_tiles = _takes_f32_tiles(k_cache, kv_format)
-    for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores = _slot_scratch(
-            max_rows, chunk_pages * page_size, head_dim)
-        q_bits, packed = _dot_scratch(max_rows, chunk_pages * page_size, head_dim, dots)
-        slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
-        for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
-            seq, head, row_begin, row_end = items[item]
-            seq_len = seq_lens[seq]
-            first_pos = seq_len - (qo_indptr[seq + 1] - qo_indptr[seq])  # position of row qo_indptr[seq]
-            num_rows = (row_end - row_begin) * group
-            for i in range(row_end - row_begin):
-                for g in range(group):
-                    r = i * group + g
-                    _start_row(q, row_begin + i, head * group + g, r, scale, dots, qs, q_bits, acc,
-                               m, l)
-                    qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
-                    if slopes.shape[0] > 0:
-                        slopes[r] = alibi_slopes[head * group + g]
-            low, high = qpos[0], qpos[num_rows - 1]
-            page_begin = max(low - window + 1, 0) // page_size if window > 0 else 0
-            page_end = high // page_size + 1
-            for first in range(page_begin, page_end, chunk_pages):
-                last = min(first + chunk_pages, page_end)
-                key0 = first * page_size
-                num_cols = min((last - first) * page_size, seq_len - key0)
-                for p in range(first, last):
-                    in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
-                                                    chunk_pages, False, prefetch_blocks)
-                    ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
-                    num_tokens = min(page_size, seq_len - p * page_size)
-                    if dots:
-                        _page_scores_bf16(q_bits, 0, num_rows, k_cache, block_table[seq, p], head,
-                                           num_tokens, scale, scores, (p - first) * page_size,
-                                           ahead, 0)
-                    elif f32_tiles:
-                        _page_scores_f32(qs, 0, num_rows, k_cache, block_table[seq, p], head,
-                                           num_tokens, np.float32(1.0), scores, (p - first) * page_size,
-                                           ahead, 0)
-                    else:
-                        _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
-                                     num_tokens, scores, (p - first) * page_size, ahead)
-                masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
-                _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
-                                slopes, m, l, acc)
-                if dots:
-                    bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
-                for p in range(first, last):
-                    in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
-                                                    chunk_pages, True, prefetch_blocks)
-                    ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
-                    num_tokens = min(page_size, seq_len - p * page_size)
-                    if dots:
-                        _page_accumulate_bf16(packed, 0, num_rows, (p - first) * page_size, v_cache,
-                                               block_table[seq, p], head, num_tokens, acc, ahead, 0)
-                    elif f32_tiles:
-                        _page_accumulate_f32(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                               block_table[seq, p], head, num_tokens, acc, ahead, 0)
-                    else:
-                        _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                         block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
-            for i in range(row_end - row_begin):
-                for g in range(group):
-                    r = i * group + g
-                    lse[row_begin + i, head * group + g] = _finish_row(
-                        acc[r], m[r], l[r], out[row_begin + i, head * group + g])
+    _PREFILL[k_cache.dtype == np.float32](
+        q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr, scale,
+        window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products)
