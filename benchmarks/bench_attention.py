@@ -94,6 +94,21 @@ def test_decode(benchmark, shape, kind, name):
     benchmark(run)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", ["G2", "G3", "G7"])
+def test_decode_gqa_groups(benchmark, shape, kind):
+    """pagekv alone on models' GQA groups of 2, 3 and 7 query heads per KV head (share of the roof)."""
+    p = problem(shape, kind)
+    run = pagekv_decode(p)
+    benchmark.group = f"decode {shape} {kind}"
+    benchmark.extra_info.update(kind="decode", shape=shape, dtype=kind, impl="pagekv",
+                                kv_bytes=p.kv_bytes)
+    if not benchmark.disabled:
+        share, roof_gbs = share_of_roof(run, p.kv_bytes)
+        benchmark.extra_info.update(share_of_roof=share, paired_roof_gbs=roof_gbs)
+    benchmark(run)
+
+
 @pytest.mark.parametrize("name", PREFILL_IMPLEMENTATIONS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill(benchmark, kind, name):

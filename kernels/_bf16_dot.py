@@ -6,11 +6,11 @@ AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16 pairs into 16 float32 sums pe
 twice the products of a float32 FMA, with no widening instructions. Numba's vectoriser never
 emits it, so the two inner loops are written here as IR:
 
-- ``qk_RxT`` — scores of R query rows against T key rows (a register tile of R x T
+- ``qk_RxT`` — scores of R query rows (1-4) against T key rows (4 or 1): a register tile of R x T
   accumulators, summed across lanes together at the end: one tree of shuffles for the whole tile,
-  not one per dot product); ``qk_f32_RxT``, the same tile on float32 rows with FMAs, for the
+  not one per dot product; ``qk_f32_RxT``, the same tile on float32 rows with FMAs, for the
   compute-bound prefill of float32 caches (as is ``pv_f32_R`` below);
-- ``pv_R`` — R accumulator rows += probabilities x value rows, two tokens per instruction:
+- ``pv_R`` — R accumulator rows (1-4) += probabilities x value rows, two tokens per instruction:
   the rows of tokens t and t + 1 are interleaved so each bfloat16 pair is (v[t, d], v[t + 1, d]),
   and the probabilities arrive packed as (p[t], p[t + 1]) pairs; ``pv_f32_R``, float32 value rows
   by FMAs, 4 chunks of 16 floats of R rows in registers across a page's tokens (Numba's loop
@@ -127,8 +127,8 @@ def _lane_sums(builder, vectors):
     owners = [[i] * LANES for i in range(len(vectors))]
     block = LANES
     while len(vectors) > 1 or block > 1:
-        if len(vectors) == 1:  # fewer inputs than lanes: keep halving one vector against itself
-            vectors, owners = vectors * 2, owners * 2
+        if len(vectors) % 2:  # an odd count (or fewer inputs than lanes): merge the last with itself
+            vectors, owners = vectors + vectors[-1:], owners + owners[-1:]
         merged, merged_owners = [], []
         for j in range(0, len(vectors), 2):
             merged.append(_merge(builder, vectors[j], vectors[j + 1], block))
@@ -249,8 +249,19 @@ def _make_qk_tile(rows, tokens, *, float32=False):
     return tile
 
 
+# A GQA group's query rows take tiles of 4 rows, and one tile of 3, 2 or 1 for the rest: each tile
+# pass loads the keys and interleaves the values once for all its rows, so 3 rows in one tile cost
+# little more than 1. Against one-row tiles for the rest (decode, 16 x 2,048 tokens, page 16, caches
+# flushed, alternating rounds, time ratio old/new from memory): group 2 (16/8 heads x 128) 1.23x
+# (float32, ~57 GB/s roof), 8/2 x 128 float32 1.10x, 16/8 x 256 bfloat16 1.30x; group 3 (24/8 x
+# 128) 1.48x in both dtypes; group 6 (12/2 x 128) 1.13-1.25x; group 7 (28/4 x 128) 1.30-1.45x;
+# from cache 1.3-2x. Groups 1, 4 and 5 (4 + 1) take the same tiles as before (0.98-1.01x).
 qk_4x4 = _make_qk_tile(4, 4)
 qk_4x1 = _make_qk_tile(4, 1)
+qk_3x4 = _make_qk_tile(3, 4)
+qk_3x1 = _make_qk_tile(3, 1)
+qk_2x4 = _make_qk_tile(2, 4)
+qk_2x1 = _make_qk_tile(2, 1)
 qk_1x4 = _make_qk_tile(1, 4)
 qk_1x1 = _make_qk_tile(1, 1)
 # The float32 tiles serve prefill and decode. In prefill the score tiles were 7-29% faster than
@@ -259,10 +270,14 @@ qk_1x1 = _make_qk_tile(1, 1)
 # one-row tiles of MHA read 2-10% faster from memory (S3 and MHA shapes at head_dim 64/80/128).
 # With GQA's tiles decode read 5-9% slower from memory than the loops while each line was
 # prefetched once; asked for twice (kernels/prefetch.py) they read alike or faster (S1/S2 0.98-1.01x
-# the loops' time, 2 or 8 KV heads x 64: 0.82-0.97x) and compute 1.1-1.5x faster from cache,
-# except two one-row tiles per KV head at head_dim 128 (group 2: 14-15% slower from cache).
+# the loops' time, 2 or 8 KV heads x 64: 0.82-0.97x) and compute 1.1-1.5x faster from cache
+# (group 2, then two one-row tiles per KV head: 14-15% slower at head_dim 128, before the 2-row tile).
 qk_f32_4x4 = _make_qk_tile(4, 4, float32=True)
 qk_f32_4x1 = _make_qk_tile(4, 1, float32=True)
+qk_f32_3x4 = _make_qk_tile(3, 4, float32=True)
+qk_f32_3x1 = _make_qk_tile(3, 1, float32=True)
+qk_f32_2x4 = _make_qk_tile(2, 4, float32=True)
+qk_f32_2x1 = _make_qk_tile(2, 1, float32=True)
 qk_f32_1x4 = _make_qk_tile(1, 4, float32=True)
 qk_f32_1x1 = _make_qk_tile(1, 1, float32=True)
 
@@ -423,6 +438,8 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
 
 
 pv_4 = _make_pv_tile(4)
+pv_3 = _make_pv_tile(3)
+pv_2 = _make_pv_tile(2)
 pv_1 = _make_pv_tile(1)
 
 F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
@@ -475,6 +492,8 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
 
 
 pv_f32_4 = _make_pv_tile(4, float32=True)
+pv_f32_3 = _make_pv_tile(3, float32=True)
+pv_f32_2 = _make_pv_tile(2, float32=True)
 pv_f32_1 = _make_pv_tile(1, float32=True)
 
 

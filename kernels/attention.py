@@ -195,8 +195,8 @@ def _tiled_loops(float32, *, inline=True):
         bfloat16 pages by vdpbf16ps (``float32`` False), or float32 pages by FMAs (``float32`` True).
 
         q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled, or float32; the
-        scores are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the page's last
-        num_tokens % 4 keys and the rows left over take narrower tiles. Each key row's lines of the
+        scores are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the rows left over
+        take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at a time. Each key row's lines of the
         blocks at addresses ``ahead`` and ``again`` (0: none) are prefetched by the first row tile.
         """
         head_dim = kc.shape[3]
@@ -204,7 +204,7 @@ def _tiled_loops(float32, *, inline=True):
         block = block_address(kc, kp, kh)
         r = r0
         while r < r0 + num_rows:
-            four_rows = r + 4 <= r0 + num_rows
+            rows = min(4, r0 + num_rows - r)
             q_r = q.ctypes.data + r * q_row
             out = scores.ctypes.data + r * s_row + col * 4
             for t in range(0, num_tokens, 4):
@@ -212,32 +212,52 @@ def _tiled_loops(float32, *, inline=True):
                 pf_again = again + t * k_row if (again != 0 and r == r0) else 0
                 k_t, out_t = block + t * k_row, out + t * 4
                 if t + 4 <= num_tokens:
-                    if four_rows and float32:
-                        bf16.qk_f32_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
-                    elif four_rows:
-                        bf16.qk_4x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
-                    elif float32:
-                        bf16.qk_f32_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    args = (q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    if float32:
+                        if rows == 4:
+                            bf16.qk_f32_4x4(*args)
+                        elif rows == 3:
+                            bf16.qk_f32_3x4(*args)
+                        elif rows == 2:
+                            bf16.qk_f32_2x4(*args)
+                        else:
+                            bf16.qk_f32_1x4(*args)
+                    elif rows == 4:
+                        bf16.qk_4x4(*args)
+                    elif rows == 3:
+                        bf16.qk_3x4(*args)
+                    elif rows == 2:
+                        bf16.qk_2x4(*args)
                     else:
-                        bf16.qk_1x4(q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                        bf16.qk_1x4(*args)
                     continue
                 for u in range(t, num_tokens):
                     pf_u = pf + (u - t) * k_row if pf != 0 else 0
                     again_u = pf_again + (u - t) * k_row if pf_again != 0 else 0
-                    k_u, out_u = block + u * k_row, out + u * 4
-                    if four_rows and float32:
-                        bf16.qk_f32_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
-                    elif four_rows:
-                        bf16.qk_4x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
-                    elif float32:
-                        bf16.qk_f32_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
+                    args = (q_r, q_row, block + u * k_row, k_row, head_dim, scale, out + u * 4, s_row,
+                            pf_u, again_u)
+                    if float32:
+                        if rows == 4:
+                            bf16.qk_f32_4x1(*args)
+                        elif rows == 3:
+                            bf16.qk_f32_3x1(*args)
+                        elif rows == 2:
+                            bf16.qk_f32_2x1(*args)
+                        else:
+                            bf16.qk_f32_1x1(*args)
+                    elif rows == 4:
+                        bf16.qk_4x1(*args)
+                    elif rows == 3:
+                        bf16.qk_3x1(*args)
+                    elif rows == 2:
+                        bf16.qk_2x1(*args)
                     else:
-                        bf16.qk_1x1(q_r, q_row, k_u, k_row, head_dim, scale, out_u, s_row, pf_u, again_u)
-            r += 4 if four_rows else 1
+                        bf16.qk_1x1(*args)
+            r += rows
 
     @jit
     def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
-        """:func:`_page_accumulate` by register tiles of 4 accumulator rows (1 for rows left over),
+        """:func:`_page_accumulate` by register tiles of 4 accumulator rows (3, 2 or 1 for the rest),
         head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (``float32``
         False; col even), or float32 pages by FMAs (``float32`` True).
 
@@ -251,21 +271,28 @@ def _tiled_loops(float32, *, inline=True):
         first_prob = col * 4 if float32 else (col // 2) * 4
         r = r0
         while r < r0 + num_rows:
+            rows = min(4, r0 + num_rows - r)
             pf, pf_again = (ahead, again) if r == r0 else (0, 0)
             a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
-            v_row = vc.strides[2]
-            if r + 4 <= r0 + num_rows:
-                if float32:
-                    bf16.pv_f32_4(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
+            args = (a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
+            if float32:
+                if rows == 4:
+                    bf16.pv_f32_4(*args)
+                elif rows == 3:
+                    bf16.pv_f32_3(*args)
+                elif rows == 2:
+                    bf16.pv_f32_2(*args)
                 else:
-                    bf16.pv_4(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
-                r += 4
+                    bf16.pv_f32_1(*args)
+            elif rows == 4:
+                bf16.pv_4(*args)
+            elif rows == 3:
+                bf16.pv_3(*args)
+            elif rows == 2:
+                bf16.pv_2(*args)
             else:
-                if float32:
-                    bf16.pv_f32_1(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
-                else:
-                    bf16.pv_1(a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
-                r += 1
+                bf16.pv_1(*args)
+            r += rows
 
     return page_scores, page_accumulate
 

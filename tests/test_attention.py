@@ -22,7 +22,7 @@ def problems(draw, *, max_len=300):
         seq_lens=draw(st.lists(st.sampled_from([1, 2, 15, 16, 17, 63, 64, 65, 97, 1, max_len]) |
                                st.integers(1, max_len), min_size=1, max_size=4)),
         num_kv_heads=num_kv_heads,
-        group=draw(st.sampled_from([1, 2, 3, 4, 5, 8])),  # 4-row blocks, remainders, both
+        group=draw(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8])),  # tiles of 4 rows, 3/2/1 rows, both
         head_dim=draw(st.sampled_from(HEAD_DIMS)),
         page_size=draw(st.sampled_from(PAGE_SIZES)),
         kind=draw(st.sampled_from(KINDS)),
@@ -105,12 +105,12 @@ def test_prefill_matches_reference(problem, data):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 5])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 80), (17, 128), (64, 256)])
 def test_float32_decode_tiles_match_reference(page_size, head_dim, group):
-    """float32 pages take decode's FMA tiles (kernels/attention.py): one query row per KV head, 4-row
-    tiles, and 4-row tiles plus one-row tiles for the rest (group 5); odd page sizes, pages ending
-    mid-way, every head_dim chunk count, with the masking options."""
+    """float32 pages take decode's FMA tiles (kernels/attention.py): tiles of 1, 2, 3 or 4 query
+    rows per KV head, and 4-row tiles plus a 1-, 2- or 3-row tile for the rest (groups 5-7); odd page
+    sizes, pages ending mid-way, every head_dim chunk count, with the masking options."""
     rng = np.random.default_rng(page_size)
     kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=3, head_dim=head_dim, page_size=page_size,
                  kind="float32")

@@ -4,6 +4,8 @@ The tiles multiply bfloat16 numbers exactly and sum in float32, so on bfloat16 i
 match float64 to float32 summation error: any wrong lane, pair or row shows up as a large error.
 """
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -14,59 +16,40 @@ from kv_builders import to_storage, widen
 from pagekv import attention
 from pagekv.kernels import _bf16_dot as bf16
 
-QK_TILES = {(4, 4): bf16.qk_4x4, (4, 1): bf16.qk_4x1, (1, 4): bf16.qk_1x4, (1, 1): bf16.qk_1x1}
-PV_TILES = {4: bf16.pv_4, 1: bf16.pv_1}
+ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops take
+QK_TILES = {(rows, tokens, float32): getattr(bf16, f"qk_{'f32_' if float32 else ''}{rows}x{tokens}")
+            for rows in ROWS for tokens in (4, 1) for float32 in (False, True)}
+PV_TILES = {(rows, float32): getattr(bf16, f"pv_{'f32_' if float32 else ''}{rows}")
+            for rows in ROWS for float32 in (False, True)}
 STALE = 0x7FC0  # a bfloat16 NaN: what a page's unused rows may hold
 
 
-def _scores_harness():
+def _scores_harness(rows, tokens, float32):
     """A fresh (uncached) function that runs one query-key tile: compiled on its first call, so
     it takes whatever code generation the tiles choose at that moment. float32 rows take the
     float32 tiles."""
-    def run(rows, tokens, q, k, scale, out, pf, float32):
-        args = (q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1], scale,
-                out.ctypes.data, out.strides[0], pf, pf)
-        if rows == 4 and tokens == 4:
-            if float32:
-                bf16.qk_f32_4x4(*args)
-            else:
-                bf16.qk_4x4(*args)
-        elif rows == 4:
-            if float32:
-                bf16.qk_f32_4x1(*args)
-            else:
-                bf16.qk_4x1(*args)
-        elif tokens == 4:
-            if float32:
-                bf16.qk_f32_1x4(*args)
-            else:
-                bf16.qk_1x4(*args)
-        elif float32:
-            bf16.qk_f32_1x1(*args)
-        else:
-            bf16.qk_1x1(*args)
-    return njit(run)
+    tile = QK_TILES[rows, tokens, float32]
+
+    @njit
+    def run(q, k, scale, out, pf):
+        tile(q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1], scale,
+             out.ctypes.data, out.strides[0], pf, pf)
+    return run
 
 
-def _values_harness():
+def _values_harness(rows, float32):
     """Runs one value tile, compiled on first call; float32 rows (and probabilities) take the
     float32 tiles, bfloat16 rows the packed probabilities."""
-    def run(rows, acc, v, probs, num_tokens, pf, float32):
-        args = (acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], probs.ctypes.data,
-                probs.strides[0], num_tokens, v.shape[1], pf, pf)
-        if rows == 4 and float32:
-            bf16.pv_f32_4(*args)
-        elif rows == 4:
-            bf16.pv_4(*args)
-        elif float32:
-            bf16.pv_f32_1(*args)
-        else:
-            bf16.pv_1(*args)
-    return njit(run)
+    tile = PV_TILES[rows, float32]
+
+    @njit
+    def run(acc, v, probs, num_tokens, pf):
+        tile(acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], probs.ctypes.data,
+             probs.strides[0], num_tokens, v.shape[1], pf, pf)
+    return run
 
 
-_SCORES = _scores_harness()
-_VALUES = _values_harness()
+_scores, _values = functools.cache(_scores_harness), functools.cache(_values_harness)
 
 
 @njit
@@ -86,36 +69,36 @@ def _padded_rows(rng, num_rows, head_dim):
     return rows[:, :head_dim]
 
 
-@given(st.sampled_from(list(QK_TILES)), st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]),
-       st.floats(0.01, 2.0), st.integers(0, 2**16), st.booleans())
-def test_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
-    rows, tokens = tile
+@given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
+       st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
+       st.integers(0, 2**16), st.booleans())
+def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch):
     rng = np.random.default_rng(seed)
     q, k = _bf16(rng, (rows, head_dim)), _padded_rows(rng, tokens, head_dim)
     out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
-    _SCORES(rows, tokens, q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0, False)
+    _scores(rows, tokens, False)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
 
 
-@given(st.sampled_from(list(QK_TILES)), st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]),
-       st.floats(0.01, 2.0), st.integers(0, 2**16), st.booleans())
-def test_float32_query_key_tiles_match_float64(tile, head_dim, scale, seed, prefetch):
-    rows, tokens = tile
+@given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
+       st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
+       st.integers(0, 2**16), st.booleans())
+def test_float32_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((rows, head_dim)).astype(np.float32)
     k = np.full((tokens, head_dim + 16), np.nan, np.float32)  # NaN gaps: no read past head_dim
     k[:, :head_dim] = rng.standard_normal((tokens, head_dim))
     k = k[:, :head_dim]
     out = np.full((rows, 8), np.nan, np.float32)
-    _SCORES(rows, tokens, q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0, True)
+    _scores(rows, tokens, True)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = q.astype(np.float64) @ k.astype(np.float64).T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
 
 
-@given(st.sampled_from(list(PV_TILES)), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
+@given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
        st.integers(1, 16),
        st.integers(0, 2**16))
 def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
@@ -131,11 +114,11 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
     expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
-    _VALUES(rows, acc, v, packed, num_tokens, v.ctypes.data, False)
+    _values(rows, False)(acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
-@given(st.sampled_from([4, 1]), st.sampled_from([16, 48, 64, 80, 96, 112, 128, 256, 272]),
+@given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 96, 112, 128, 256, 272]),
        st.integers(1, 16), st.integers(0, 2**16))
 def test_float32_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
     """acc += p @ v over num_tokens float32 rows of a 16-row page whose other rows, the gaps after
@@ -149,7 +132,7 @@ def test_float32_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, n
     p[:, :num_tokens] = rng.random((rows, num_tokens))
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v[:num_tokens].astype(np.float64)
-    _VALUES(rows, acc, v, p, num_tokens, v.ctypes.data, True)
+    _values(rows, True)(acc, v, p, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -180,10 +163,10 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     results = []
     for native in (True, False):
         monkeypatch.setattr(bf16, "HAS_AVX512_BF16", native)
-        scores, values = _scores_harness(), _values_harness()  # compiled now, with this choice
+        scores, values = _scores_harness(4, 4, False), _values_harness(4, False)  # compiled now
         out, acc = np.zeros((4, 4), np.float32), acc0.copy()
-        scores(4, 4, q, k, np.float32(0.125), out, 0, False)
-        values(4, acc, v, packed, 15, 0, False)
+        scores(q, k, np.float32(0.125), out, 0)
+        values(acc, v, packed, 15, 0)
         results.append((out, acc))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
