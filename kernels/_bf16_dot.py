@@ -47,6 +47,7 @@ from pagekv.kernels.prefetch import emit_prefetch
 HAS_AVX512_BF16 = bool(llvm.get_host_cpu_features().get("avx512bf16"))
 LANES = 16  # float32 lanes of one 512-bit register
 PAIRS = 32  # bfloat16 elements of one 512-bit register: one chunk of a row
+MAX_ROWS = 4  # query rows of the largest tile; a GQA group's rest takes one tile of 1-3 rows
 ROW_REGISTERS = 16  # accumulator registers of the one-row value tile: head_dim <= 256 in registers
 
 _F32 = ir.FloatType()
@@ -191,58 +192,67 @@ def _fma(builder, acc, a, b):
     return builder.call(fn, [a, b, acc])
 
 
-def _make_qk_tile(rows, tokens, *, float32=False):
-    """A tile of rows x tokens scores: bfloat16 rows by vdpbf16ps, or float32 rows (head_dim a
-    multiple of 16) by FMAs with ``float32=True``."""
+def _rows_switch(builder, rows, emit):
+    """emit(n) under ``rows == n`` for n = 4, 3, 2, 1: one intrinsic holds the tiles of every row
+    count the page loops take (4-row tiles, then one of 3, 2 or 1 rows for the rest)."""
+    for n in range(MAX_ROWS, 0, -1):
+        with builder.if_then(builder.icmp_signed("==", rows, ir.Constant(rows.type, n))):
+            emit(n)
+
+
+def _make_qk_tile(tokens, *, float32=False):
+    """Tiles of rows x tokens scores, rows (1-4) the first argument: bfloat16 rows by vdpbf16ps, or
+    float32 rows (head_dim a multiple of 16) by FMAs with ``float32=True``."""
+    def emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, *pf):
+        sums = _zero_accumulators(builder, rows * tokens)
+        dot = _fma if float32 else _dot_pairs
+
+        def multiply(offset, width):
+            def load(address):
+                if float32:
+                    return _load(builder, address, _F32X16)
+                return _load_bf16(builder, address, width)
+
+            keys = []
+            for t in range(tokens):
+                row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), offset)
+                keys.append(load(builder.add(k_first, row)))
+                _prefetch_if(builder, pf, row)  # this row's line of the blocks ahead
+            for r in range(rows):
+                row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
+                query = load(builder.add(q_first, row))
+                for t, key in enumerate(keys):
+                    s = sums[r * tokens + t]
+                    builder.store(dot(builder, builder.load(s), query, key), s)
+
+        if float32:  # 16 floats (64 bytes) per chunk
+            with cgutils.for_range(builder, builder.lshr(dims, ir.Constant(_I64, 4))) as loop:
+                multiply(builder.mul(loop.index, ir.Constant(_I64, LANES * 4)), LANES)
+        else:
+            _over_head_dim(builder, dims, multiply)
+        total, lane_of = _lane_sums(builder, [builder.load(s) for s in sums])
+        total = builder.fmul(total, _splat(builder, factor))
+        row_type = ir.VectorType(_F32, tokens)
+        for r in range(rows):  # one shuffle and one store per row, not one per score
+            address = builder.add(out_base, builder.mul(out_step, ir.Constant(_I64, r)))
+            lanes = ir.Constant(ir.VectorType(_I32, tokens),
+                                [lane_of[r * tokens + t] for t in range(tokens)])
+            row = builder.shuffle_vector(total, ir.Constant(_F32X16, ir.Undefined), lanes)
+            builder.store(row, builder.inttoptr(address, row_type.as_pointer()), align=4)
+
     @intrinsic
-    def tile(typingctx, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride, pf_base,
-             again_base):
-        signature = types.void(q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
-                               pf_base, again_base)
+    def tile(typingctx, rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
+             pf_base, again_base):
+        signature = types.void(rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out,
+                               out_stride, pf_base, again_base)
 
         def codegen(context, builder, sig, args):
-            q_first, q_step, k_first, k_step, dims, factor, out_base, out_step = args[:8]
-            pf = args[8:]
-            sums = _zero_accumulators(builder, rows * tokens)
-            dot = _fma if float32 else _dot_pairs
-
-            def multiply(offset, width):
-                def load(address):
-                    if float32:
-                        return _load(builder, address, _F32X16)
-                    return _load_bf16(builder, address, width)
-
-                keys = []
-                for t in range(tokens):
-                    row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), offset)
-                    keys.append(load(builder.add(k_first, row)))
-                    _prefetch_if(builder, pf, row)  # this row's line of the blocks ahead
-                for r in range(rows):
-                    row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
-                    query = load(builder.add(q_first, row))
-                    for t, key in enumerate(keys):
-                        s = sums[r * tokens + t]
-                        builder.store(dot(builder, builder.load(s), query, key), s)
-
-            if float32:  # 16 floats (64 bytes) per chunk
-                with cgutils.for_range(builder, builder.lshr(dims, ir.Constant(_I64, 4))) as loop:
-                    multiply(builder.mul(loop.index, ir.Constant(_I64, LANES * 4)), LANES)
-            else:
-                _over_head_dim(builder, dims, multiply)
-            total, lane_of = _lane_sums(builder, [builder.load(s) for s in sums])
-            total = builder.fmul(total, _splat(builder, factor))
-            row_type = ir.VectorType(_F32, tokens)
-            for r in range(rows):  # one shuffle and one store per row, not one per score
-                address = builder.add(out_base, builder.mul(out_step, ir.Constant(_I64, r)))
-                lanes = ir.Constant(ir.VectorType(_I32, tokens),
-                                    [lane_of[r * tokens + t] for t in range(tokens)])
-                row = builder.shuffle_vector(total, ir.Constant(_F32X16, ir.Undefined), lanes)
-                builder.store(row, builder.inttoptr(address, row_type.as_pointer()), align=4)
+            _rows_switch(builder, args[0], lambda n: emit(builder, n, *args[1:]))
             return context.get_dummy_value()
 
         return signature, codegen
 
-    tile.__doc__ = (f"Scores of {rows} query rows against {tokens} consecutive key rows "
+    tile.__doc__ = (f"Scores of ``rows`` (1-4) query rows against {tokens} consecutive key rows "
                     f"({'float32' if float32 else 'bfloat16 bits'}, head_dim a multiple of 16), times "
                     "scale: out + r * out_stride holds row r's. The same rows of the blocks at "
                     "pf_base and again_base are prefetched (0: none).")
@@ -256,14 +266,8 @@ def _make_qk_tile(rows, tokens, *, float32=False):
 # (float32, ~57 GB/s roof), 8/2 x 128 float32 1.10x, 16/8 x 256 bfloat16 1.30x; group 3 (24/8 x
 # 128) 1.48x in both dtypes; group 6 (12/2 x 128) 1.13-1.25x; group 7 (28/4 x 128) 1.30-1.45x;
 # from cache 1.3-2x. Groups 1, 4 and 5 (4 + 1) take the same tiles as before (0.98-1.01x).
-qk_4x4 = _make_qk_tile(4, 4)
-qk_4x1 = _make_qk_tile(4, 1)
-qk_3x4 = _make_qk_tile(3, 4)
-qk_3x1 = _make_qk_tile(3, 1)
-qk_2x4 = _make_qk_tile(2, 4)
-qk_2x1 = _make_qk_tile(2, 1)
-qk_1x4 = _make_qk_tile(1, 4)
-qk_1x1 = _make_qk_tile(1, 1)
+qk_x4 = _make_qk_tile(4)
+qk_x1 = _make_qk_tile(1)
 # The float32 tiles serve prefill and decode. In prefill the score tiles were 7-29% faster than
 # Numba's own loops (which reduce each score's lanes alone) and the value tiles (below) made
 # prefill 1.4-1.7x faster in all (2K causal, head_dim 64/80/128). In decode, memory-bound, the
@@ -272,14 +276,8 @@ qk_1x1 = _make_qk_tile(1, 1)
 # prefetched once; asked for twice (kernels/prefetch.py) they read alike or faster (S1/S2 0.98-1.01x
 # the loops' time, 2 or 8 KV heads x 64: 0.82-0.97x) and compute 1.1-1.5x faster from cache
 # (group 2, then two one-row tiles per KV head: 14-15% slower at head_dim 128, before the 2-row tile).
-qk_f32_4x4 = _make_qk_tile(4, 4, float32=True)
-qk_f32_4x1 = _make_qk_tile(4, 1, float32=True)
-qk_f32_3x4 = _make_qk_tile(3, 4, float32=True)
-qk_f32_3x1 = _make_qk_tile(3, 1, float32=True)
-qk_f32_2x4 = _make_qk_tile(2, 4, float32=True)
-qk_f32_2x1 = _make_qk_tile(2, 1, float32=True)
-qk_f32_1x4 = _make_qk_tile(1, 4, float32=True)
-qk_f32_1x1 = _make_qk_tile(1, 1, float32=True)
+qk_f32_x4 = _make_qk_tile(4, float32=True)
+qk_f32_x1 = _make_qk_tile(1, float32=True)
 
 
 def _interleave(builder, v0, v1, width):
@@ -290,84 +288,88 @@ def _interleave(builder, v0, v1, width):
     return [builder.shuffle_vector(v0, v1, ir.Constant(ir.VectorType(_I32, PAIRS), mask)) for mask in masks]
 
 
-def _make_pv_tile(rows, *, float32=False):
-    """A value tile of ``rows`` accumulator rows: bfloat16 value rows by vdpbf16ps with packed
-    probability pairs, or float32 rows and probabilities by FMAs with ``float32=True``."""
+def _make_pv_tile(*, float32=False):
+    """Value tiles of ``rows`` (1-4, the first argument) accumulator rows: bfloat16 value rows by
+    vdpbf16ps with packed probability pairs, or float32 rows and probabilities by FMAs with
+    ``float32=True``."""
+    def emit(builder, rows, *args):
+        if float32:
+            _values_f32(builder, rows, *args[:8], args[8:])
+            return
+        acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
+        pf = args[8:]
+        sums = _zero_accumulators(builder, 2 * rows)
+        num_pairs = builder.lshr(n, ir.Constant(_I64, 1))
+
+        def acc_pointer(r, half, offset):  # offset: bytes into a bfloat16 row
+            base = builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r)))
+            address = builder.add(builder.add(base, builder.mul(offset, ir.Constant(_I64, 2))),
+                                  ir.Constant(_I64, half * LANES * 4))
+            return builder.inttoptr(address, _F32X16.as_pointer())
+
+        def load_row(row, width):
+            return _load(builder, builder.add(v_first, row), ir.VectorType(_I16, width))
+
+        def accumulate(pair_vectors, pair):
+            for r in range(rows):
+                p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
+                                    builder.mul(pair, ir.Constant(_I64, 4)))
+                probs = _broadcast_pair(builder, builder.add(p_first, p_row))
+                for half, pairs in enumerate(pair_vectors):
+                    s = sums[2 * r + half]
+                    builder.store(_dot_pairs(builder, builder.load(s), pairs, probs), s)
+
+        def values(offset, width):
+            halves = width // LANES
+            for r in range(rows):
+                for half in range(halves):
+                    builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
+            with cgutils.for_range(builder, num_pairs) as loop:
+                token = builder.mul(loop.index, ir.Constant(_I64, 2))
+                row0 = builder.add(builder.mul(v_step, token), offset)
+                row1 = builder.add(row0, v_step)
+                for row in (row0, row1):
+                    _prefetch_if(builder, pf, row)
+                accumulate(_interleave(builder, load_row(row0, width), load_row(row1, width), width),
+                           loop.index)
+            odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
+            with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
+                row0 = builder.add(builder.mul(v_step, builder.sub(n, ir.Constant(_I64, 1))), offset)
+                _prefetch_if(builder, pf, row0)
+                zeros = ir.Constant(ir.VectorType(_I16, width), [0] * width)
+                accumulate(_interleave(builder, load_row(row0, width), zeros, width), num_pairs)
+            for r in range(rows):
+                for half in range(halves):
+                    builder.store(builder.load(sums[2 * r + half]), acc_pointer(r, half, offset), align=4)
+
+        if rows > 1:
+            _over_head_dim(builder, dims, values)
+            return
+        # One row: walk the value rows in order (all of a row pair's chunks, then the next
+        # pair) with the whole accumulator row in registers: up to 16 vectors, head_dim <= 256,
+        # the chunk loop unrolled and guarded. Measured at S3 (MHA, page 16, three runs each):
+        # the in-order walk overlaps prefetched memory better, 76-79% -> 81-84% of the roof.
+        # For 2 rows (GQA) it measured alike, so 4-row tiles keep the chunk-outer walk.
+        in_order = builder.icmp_unsigned("<=", dims, ir.Constant(_I64, ROW_REGISTERS * LANES))
+        with builder.if_else(in_order) as (short_rows, long_rows):
+            with short_rows:
+                _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf)
+            with long_rows:
+                _over_head_dim(builder, dims, values)
+
     @intrinsic
-    def tile(typingctx, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
+    def tile(typingctx, rows, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
              head_dim, pf_base, again_base):
-        signature = types.void(acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
-                               head_dim, pf_base, again_base)
+        signature = types.void(rows, acc_base, acc_stride, v_base, v_stride, p_base, p_stride,
+                               num_tokens, head_dim, pf_base, again_base)
 
         def codegen(context, builder, sig, args):
-            if float32:
-                _values_f32(builder, rows, *args[:8], args[8:])
-                return context.get_dummy_value()
-            acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
-            pf = args[8:]
-            sums = _zero_accumulators(builder, 2 * rows)
-            num_pairs = builder.lshr(n, ir.Constant(_I64, 1))
-
-            def acc_pointer(r, half, offset):  # offset: bytes into a bfloat16 row
-                base = builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r)))
-                address = builder.add(builder.add(base, builder.mul(offset, ir.Constant(_I64, 2))),
-                                      ir.Constant(_I64, half * LANES * 4))
-                return builder.inttoptr(address, _F32X16.as_pointer())
-
-            def load_row(row, width):
-                return _load(builder, builder.add(v_first, row), ir.VectorType(_I16, width))
-
-            def accumulate(pair_vectors, pair):
-                for r in range(rows):
-                    p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
-                                        builder.mul(pair, ir.Constant(_I64, 4)))
-                    probs = _broadcast_pair(builder, builder.add(p_first, p_row))
-                    for half, pairs in enumerate(pair_vectors):
-                        s = sums[2 * r + half]
-                        builder.store(_dot_pairs(builder, builder.load(s), pairs, probs), s)
-
-            def values(offset, width):
-                halves = width // LANES
-                for r in range(rows):
-                    for half in range(halves):
-                        builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
-                with cgutils.for_range(builder, num_pairs) as loop:
-                    token = builder.mul(loop.index, ir.Constant(_I64, 2))
-                    row0 = builder.add(builder.mul(v_step, token), offset)
-                    row1 = builder.add(row0, v_step)
-                    for row in (row0, row1):
-                        _prefetch_if(builder, pf, row)
-                    accumulate(_interleave(builder, load_row(row0, width), load_row(row1, width), width),
-                               loop.index)
-                odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
-                with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
-                    row0 = builder.add(builder.mul(v_step, builder.sub(n, ir.Constant(_I64, 1))), offset)
-                    _prefetch_if(builder, pf, row0)
-                    zeros = ir.Constant(ir.VectorType(_I16, width), [0] * width)
-                    accumulate(_interleave(builder, load_row(row0, width), zeros, width), num_pairs)
-                for r in range(rows):
-                    for half in range(halves):
-                        builder.store(builder.load(sums[2 * r + half]), acc_pointer(r, half, offset), align=4)
-
-            if rows > 1:
-                _over_head_dim(builder, dims, values)
-                return context.get_dummy_value()
-            # One row: walk the value rows in order (all of a row pair's chunks, then the next
-            # pair) with the whole accumulator row in registers: up to 16 vectors, head_dim <= 256,
-            # the chunk loop unrolled and guarded. Measured at S3 (MHA, page 16, three runs each):
-            # the in-order walk overlaps prefetched memory better, 76-79% -> 81-84% of the roof.
-            # For 2 rows (GQA) it measured alike, so 4-row tiles keep the chunk-outer walk.
-            in_order = builder.icmp_unsigned("<=", dims, ir.Constant(_I64, ROW_REGISTERS * LANES))
-            with builder.if_else(in_order) as (short_rows, long_rows):
-                with short_rows:
-                    _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf)
-                with long_rows:
-                    _over_head_dim(builder, dims, values)
+            _rows_switch(builder, args[0], lambda n: emit(builder, n, *args[1:]))
             return context.get_dummy_value()
 
         return signature, codegen
 
-    tile.__doc__ = (f"acc[r] += sum over t < num_tokens of p[r, t] * v[t] for {rows} rows: "
+    tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
                     + ("float32 value rows (head_dim a multiple of 16) and probabilities, one per "
                        "token." if float32 else
                        "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators, "
@@ -437,10 +439,7 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
     each_chunk(store_acc)
 
 
-pv_4 = _make_pv_tile(4)
-pv_3 = _make_pv_tile(3)
-pv_2 = _make_pv_tile(2)
-pv_1 = _make_pv_tile(1)
+pv = _make_pv_tile()
 
 F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
 
@@ -491,10 +490,7 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
             chunks_at(builder.mul(passes, pass_bytes), chunks)
 
 
-pv_f32_4 = _make_pv_tile(4, float32=True)
-pv_f32_3 = _make_pv_tile(3, float32=True)
-pv_f32_2 = _make_pv_tile(2, float32=True)
-pv_f32_1 = _make_pv_tile(1, float32=True)
+pv_f32 = _make_pv_tile(float32=True)
 
 
 @intrinsic

@@ -183,11 +183,13 @@ def _tiled_loops(float32, *, inline=True):
     """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32
     pages by FMA tiles (``float32`` True) or bfloat16 pages by vdpbf16ps tiles (False).
 
-    ``float32`` is a constant of the returned functions, so Numba drops the other kind's branches
-    before compiling: each call site compiles one kind of tiles, not both. ``inline`` False
-    compiles them as functions of their own, called per page, not inlined into the kernel.
+    The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
+    ``inline`` False compiles the loops as functions of their own, called per page, not inlined
+    into the kernel.
     """
     jit = njit(inline="always" if inline else "never", **_JIT)
+    four_keys, one_key = (bf16.qk_f32_x4, bf16.qk_f32_x1) if float32 else (bf16.qk_x4, bf16.qk_x1)
+    values = bf16.pv_f32 if float32 else bf16.pv
 
     @jit
     def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
@@ -196,15 +198,16 @@ def _tiled_loops(float32, *, inline=True):
 
         q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled, or float32; the
         scores are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the rows left over
-        take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at a time. Each key row's lines of the
-        blocks at addresses ``ahead`` and ``again`` (0: none) are prefetched by the first row tile.
+        take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at a time.
+        Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none) are
+        prefetched by the first row tile.
         """
         head_dim = kc.shape[3]
         k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
         block = block_address(kc, kp, kh)
         r = r0
         while r < r0 + num_rows:
-            rows = min(4, r0 + num_rows - r)
+            rows = min(bf16.MAX_ROWS, r0 + num_rows - r)
             q_r = q.ctypes.data + r * q_row
             out = scores.ctypes.data + r * s_row + col * 4
             for t in range(0, num_tokens, 4):
@@ -212,47 +215,13 @@ def _tiled_loops(float32, *, inline=True):
                 pf_again = again + t * k_row if (again != 0 and r == r0) else 0
                 k_t, out_t = block + t * k_row, out + t * 4
                 if t + 4 <= num_tokens:
-                    args = (q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
-                    if float32:
-                        if rows == 4:
-                            bf16.qk_f32_4x4(*args)
-                        elif rows == 3:
-                            bf16.qk_f32_3x4(*args)
-                        elif rows == 2:
-                            bf16.qk_f32_2x4(*args)
-                        else:
-                            bf16.qk_f32_1x4(*args)
-                    elif rows == 4:
-                        bf16.qk_4x4(*args)
-                    elif rows == 3:
-                        bf16.qk_3x4(*args)
-                    elif rows == 2:
-                        bf16.qk_2x4(*args)
-                    else:
-                        bf16.qk_1x4(*args)
+                    four_keys(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
                     continue
                 for u in range(t, num_tokens):
                     pf_u = pf + (u - t) * k_row if pf != 0 else 0
                     again_u = pf_again + (u - t) * k_row if pf_again != 0 else 0
-                    args = (q_r, q_row, block + u * k_row, k_row, head_dim, scale, out + u * 4, s_row,
-                            pf_u, again_u)
-                    if float32:
-                        if rows == 4:
-                            bf16.qk_f32_4x1(*args)
-                        elif rows == 3:
-                            bf16.qk_f32_3x1(*args)
-                        elif rows == 2:
-                            bf16.qk_f32_2x1(*args)
-                        else:
-                            bf16.qk_f32_1x1(*args)
-                    elif rows == 4:
-                        bf16.qk_4x1(*args)
-                    elif rows == 3:
-                        bf16.qk_3x1(*args)
-                    elif rows == 2:
-                        bf16.qk_2x1(*args)
-                    else:
-                        bf16.qk_1x1(*args)
+                    one_key(rows, q_r, q_row, block + u * k_row, k_row, head_dim, scale, out + u * 4,
+                            s_row, pf_u, again_u)
             r += rows
 
     @jit
@@ -271,27 +240,10 @@ def _tiled_loops(float32, *, inline=True):
         first_prob = col * 4 if float32 else (col // 2) * 4
         r = r0
         while r < r0 + num_rows:
-            rows = min(4, r0 + num_rows - r)
+            rows = min(bf16.MAX_ROWS, r0 + num_rows - r)
             pf, pf_again = (ahead, again) if r == r0 else (0, 0)
             a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
-            args = (a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
-            if float32:
-                if rows == 4:
-                    bf16.pv_f32_4(*args)
-                elif rows == 3:
-                    bf16.pv_f32_3(*args)
-                elif rows == 2:
-                    bf16.pv_f32_2(*args)
-                else:
-                    bf16.pv_f32_1(*args)
-            elif rows == 4:
-                bf16.pv_4(*args)
-            elif rows == 3:
-                bf16.pv_3(*args)
-            elif rows == 2:
-                bf16.pv_2(*args)
-            else:
-                bf16.pv_1(*args)
+            values(rows, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
             r += rows
 
     return page_scores, page_accumulate

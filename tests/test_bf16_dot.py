@@ -17,35 +17,32 @@ from pagekv import attention
 from pagekv.kernels import _bf16_dot as bf16
 
 ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops take
-QK_TILES = {(rows, tokens, float32): getattr(bf16, f"qk_{'f32_' if float32 else ''}{rows}x{tokens}")
-            for rows in ROWS for tokens in (4, 1) for float32 in (False, True)}
-PV_TILES = {(rows, float32): getattr(bf16, f"pv_{'f32_' if float32 else ''}{rows}")
-            for rows in ROWS for float32 in (False, True)}
 STALE = 0x7FC0  # a bfloat16 NaN: what a page's unused rows may hold
 
 
-def _scores_harness(rows, tokens, float32):
+def _scores_harness(tokens, float32):
     """A fresh (uncached) function that runs one query-key tile: compiled on its first call, so
     it takes whatever code generation the tiles choose at that moment. float32 rows take the
     float32 tiles."""
-    tile = QK_TILES[rows, tokens, float32]
+    tile = {(4, False): bf16.qk_x4, (1, False): bf16.qk_x1,
+            (4, True): bf16.qk_f32_x4, (1, True): bf16.qk_f32_x1}[tokens, float32]
 
     @njit
     def run(q, k, scale, out, pf):
-        tile(q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1], scale,
-             out.ctypes.data, out.strides[0], pf, pf)
+        tile(q.shape[0], q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], k.shape[1],
+             scale, out.ctypes.data, out.strides[0], pf, pf)
     return run
 
 
-def _values_harness(rows, float32):
+def _values_harness(float32):
     """Runs one value tile, compiled on first call; float32 rows (and probabilities) take the
     float32 tiles, bfloat16 rows the packed probabilities."""
-    tile = PV_TILES[rows, float32]
+    tile = bf16.pv_f32 if float32 else bf16.pv
 
     @njit
     def run(acc, v, probs, num_tokens, pf):
-        tile(acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0], probs.ctypes.data,
-             probs.strides[0], num_tokens, v.shape[1], pf, pf)
+        tile(acc.shape[0], acc.ctypes.data, acc.strides[0], v.ctypes.data, v.strides[0],
+             probs.ctypes.data, probs.strides[0], num_tokens, v.shape[1], pf, pf)
     return run
 
 
@@ -76,7 +73,7 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
     rng = np.random.default_rng(seed)
     q, k = _bf16(rng, (rows, head_dim)), _padded_rows(rng, tokens, head_dim)
     out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
-    _scores(rows, tokens, False)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _scores(tokens, False)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
@@ -92,7 +89,7 @@ def test_float32_query_key_tiles_match_float64(rows, tokens, head_dim, scale, se
     k[:, :head_dim] = rng.standard_normal((tokens, head_dim))
     k = k[:, :head_dim]
     out = np.full((rows, 8), np.nan, np.float32)
-    _scores(rows, tokens, True)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _scores(tokens, True)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = q.astype(np.float64) @ k.astype(np.float64).T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
@@ -114,7 +111,7 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
     expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
-    _values(rows, False)(acc, v, packed, num_tokens, v.ctypes.data)
+    _values(False)(acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -132,7 +129,7 @@ def test_float32_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, n
     p[:, :num_tokens] = rng.random((rows, num_tokens))
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v[:num_tokens].astype(np.float64)
-    _values(rows, True)(acc, v, p, num_tokens, v.ctypes.data)
+    _values(True)(acc, v, p, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -163,7 +160,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     results = []
     for native in (True, False):
         monkeypatch.setattr(bf16, "HAS_AVX512_BF16", native)
-        scores, values = _scores_harness(4, 4, False), _values_harness(4, False)  # compiled now
+        scores, values = _scores_harness(4, False), _values_harness(False)  # compiled now
         out, acc = np.zeros((4, 4), np.float32), acc0.copy()
         scores(q, k, np.float32(0.125), out, 0)
         values(acc, v, packed, 15, 0)
