@@ -69,6 +69,8 @@ def problem(shape, kind, page_size=PAGE_SIZE):
     if kind == "bfloat16":
         k = (k.view(np.uint32) >> 16).astype(np.uint16)
         v = (v.view(np.uint32) >> 16).astype(np.uint16)
+    elif kind == "float16":  # pagekv's cases only (the baselines take float32 and bfloat16)
+        k, v = k.astype(np.float16), v.astype(np.float16)
     contiguous = np.arange(num_pages, dtype=np.int32).reshape(cfg["num_seqs"], pages_per_seq)
     table = order.reshape(cfg["num_seqs"], pages_per_seq)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"],
@@ -90,7 +92,9 @@ def in_kv_cache(spec, k, v):
 
 
 def as_float32(storage, kind):
-    return storage if kind == "float32" else (storage.astype(np.uint32) << 16).view(np.float32)
+    if kind == "bfloat16":
+        return (storage.astype(np.uint32) << 16).view(np.float32)
+    return storage.astype(np.float32, copy=False)
 
 
 # ----------------------------------------------------------------------------------- implementations

@@ -94,10 +94,14 @@ def test_decode(benchmark, shape, kind, name):
     benchmark(run)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape", ["G2", "G3", "G7"])
-def test_decode_gqa_groups(benchmark, shape, kind):
-    """pagekv alone on models' GQA groups of 2, 3 and 7 query heads per KV head (share of the roof)."""
+MORE_DECODE = [(shape, kind) for shape in ("G2", "G3", "G7") for kind in KINDS] + [
+    ("S1", "float16"), ("S3", "float16")]
+
+
+@pytest.mark.parametrize("shape, kind", MORE_DECODE)
+def test_decode_more(benchmark, shape, kind):
+    """pagekv alone (share of the roof) on models' GQA groups of 2, 3 and 7 query heads per KV
+    head, and on float16 pages."""
     p = problem(shape, kind)
     run = pagekv_decode(p)
     benchmark.group = f"decode {shape} {kind}"

@@ -29,6 +29,17 @@ def test_implementations_agree(kind):
         np.testing.assert_allclose(got, expected, rtol=0.05 if kind == "bfloat16" else 1e-4, atol=2e-2)
 
 
+def test_float16_case_matches_reference():
+    """The float16 decode case (pagekv alone) computes attention over the pages it was given."""
+    p = problem("tiny", "float16")
+    assert p.k_cache.dtype == np.float16
+    expected, _ = reference.decode(p.q.astype(np.float64), as_float32(p.k_cache, "float16"),
+                                   as_float32(p.v_cache, "float16"), p.block_table, p.seq_lens)
+    for contiguous in (False, True):
+        np.testing.assert_allclose(pagekv_decode(p, contiguous=contiguous)(), expected, rtol=1e-4,
+                                   atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_implementations_agree(kind):
     p = problem("tiny", kind)

@@ -26,7 +26,7 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16):
     Parameters
     ----------
     dtypes : tuple of {"float32", "float16", "bfloat16"}
-        KV storage kinds to prepare. float16 and bfloat16 share one compiled variant.
+        KV storage kinds to prepare; each has its own decode and prefill kernels (its own tiles).
     head_dim, page_size : int
         Only the tiny problem's shape: the kernels are compiled for any shape.
     """

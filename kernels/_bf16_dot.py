@@ -165,6 +165,11 @@ def _prefetch_if(builder, blocks, offset):
             emit_prefetch(builder, builder.add(block, offset))
 
 
+def _load_f16(builder, address):
+    """16 float16 numbers at address, widened to a <16 x float>."""
+    return builder.fpext(_load(builder, address, ir.VectorType(ir.HalfType(), LANES)), _F32X16)
+
+
 def _load_bf16(builder, address, width):
     """``width`` (32 or 16) bfloat16 bits at address as a <32 x i16>, zeros above a 16-wide load."""
     if width == PAIRS:
@@ -200,34 +205,41 @@ def _rows_switch(builder, rows, emit):
             emit(n)
 
 
-def _make_qk_tile(tokens, *, float32=False):
-    """Tiles of rows x tokens scores, rows (1-4) the first argument: bfloat16 rows by vdpbf16ps, or
-    float32 rows (head_dim a multiple of 16) by FMAs with ``float32=True``."""
+def _make_qk_tile(tokens, *, storage="bfloat16"):
+    """Tiles of rows x tokens scores, rows (1-4) the first argument, head_dim a multiple of 16:
+    bfloat16 key rows and queries by vdpbf16ps (``storage="bfloat16"``), or float32 queries and
+    float32 or float16 key rows (widened as they are loaded) by FMAs."""
+    fma = storage != "bfloat16"
+
     def emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, *pf):
         sums = _zero_accumulators(builder, rows * tokens)
-        dot = _fma if float32 else _dot_pairs
+        dot = _fma if fma else _dot_pairs
 
-        def multiply(offset, width):
-            def load(address):
-                if float32:
-                    return _load(builder, address, _F32X16)
-                return _load_bf16(builder, address, width)
-
-            keys = []
+        def multiply(offset, width, key_offset=None):
+            """One chunk of every row: bytes ``offset`` into the query rows, ``key_offset`` (if
+            not the same) into the key rows."""
+            key_offset = offset if key_offset is None else key_offset
+            keys_of_chunk = []
             for t in range(tokens):
-                row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), offset)
-                keys.append(load(builder.add(k_first, row)))
+                row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), key_offset)
+                address = builder.add(k_first, row)
+                keys_of_chunk.append(_load(builder, address, _F32X16) if storage == "float32" else
+                                     _load_f16(builder, address) if storage == "float16" else
+                                     _load_bf16(builder, address, width))
                 _prefetch_if(builder, pf, row)  # this row's line of the blocks ahead
             for r in range(rows):
                 row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
-                query = load(builder.add(q_first, row))
-                for t, key in enumerate(keys):
+                address = builder.add(q_first, row)
+                query = _load(builder, address, _F32X16) if fma else _load_bf16(builder, address, width)
+                for t, key in enumerate(keys_of_chunk):
                     s = sums[r * tokens + t]
                     builder.store(dot(builder, builder.load(s), query, key), s)
 
-        if float32:  # 16 floats (64 bytes) per chunk
+        if fma:  # 16 floats (64 bytes of query, 64 or 32 bytes of key) per chunk
             with cgutils.for_range(builder, builder.lshr(dims, ir.Constant(_I64, 4))) as loop:
-                multiply(builder.mul(loop.index, ir.Constant(_I64, LANES * 4)), LANES)
+                key_bytes = 2 if storage == "float16" else 4
+                multiply(builder.mul(loop.index, ir.Constant(_I64, LANES * 4)), LANES,
+                         builder.mul(loop.index, ir.Constant(_I64, LANES * key_bytes)))
         else:
             _over_head_dim(builder, dims, multiply)
         total, lane_of = _lane_sums(builder, [builder.load(s) for s in sums])
@@ -253,7 +265,7 @@ def _make_qk_tile(tokens, *, float32=False):
         return signature, codegen
 
     tile.__doc__ = (f"Scores of ``rows`` (1-4) query rows against {tokens} consecutive key rows "
-                    f"({'float32' if float32 else 'bfloat16 bits'}, head_dim a multiple of 16), times "
+                    f"({storage} keys, head_dim a multiple of 16), times "
                     "scale: out + r * out_stride holds row r's. The same rows of the blocks at "
                     "pf_base and again_base are prefetched (0: none).")
     return tile
@@ -276,8 +288,12 @@ qk_x1 = _make_qk_tile(1)
 # prefetched once; asked for twice (kernels/prefetch.py) they read alike or faster (S1/S2 0.98-1.01x
 # the loops' time, 2 or 8 KV heads x 64: 0.82-0.97x) and compute 1.1-1.5x faster from cache
 # (group 2, then two one-row tiles per KV head: 14-15% slower at head_dim 128, before the 2-row tile).
-qk_f32_x4 = _make_qk_tile(4, float32=True)
-qk_f32_x1 = _make_qk_tile(1, float32=True)
+qk_f32_x4 = _make_qk_tile(4, storage="float32")
+qk_f32_x1 = _make_qk_tile(1, storage="float32")
+# float16 keys: the float32 tiles on rows widened as they are loaded (vcvtph2ps). Numba's loops,
+# which widen element by element, had float16 decode compute-bound at S1: MEASURE.
+qk_f16_x4 = _make_qk_tile(4, storage="float16")
+qk_f16_x1 = _make_qk_tile(1, storage="float16")
 
 
 def _interleave(builder, v0, v1, width):
@@ -288,13 +304,13 @@ def _interleave(builder, v0, v1, width):
     return [builder.shuffle_vector(v0, v1, ir.Constant(ir.VectorType(_I32, PAIRS), mask)) for mask in masks]
 
 
-def _make_pv_tile(*, float32=False):
+def _make_pv_tile(*, storage="bfloat16"):
     """Value tiles of ``rows`` (1-4, the first argument) accumulator rows: bfloat16 value rows by
-    vdpbf16ps with packed probability pairs, or float32 rows and probabilities by FMAs with
-    ``float32=True``."""
+    vdpbf16ps with packed probability pairs (``storage="bfloat16"``), or float32 or float16 value
+    rows (widened as they are loaded) and float32 probabilities by FMAs."""
     def emit(builder, rows, *args):
-        if float32:
-            _values_f32(builder, rows, *args[:8], args[8:])
+        if storage != "bfloat16":
+            _values_f32(builder, rows, *args[:8], args[8:], half=storage == "float16")
             return
         acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
         pf = args[8:]
@@ -370,8 +386,8 @@ def _make_pv_tile(*, float32=False):
         return signature, codegen
 
     tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
-                    + ("float32 value rows (head_dim a multiple of 16) and probabilities, one per "
-                       "token." if float32 else
+                    + (f"{storage} value rows (head_dim a multiple of 16) and float32 probabilities, "
+                       "one per token." if storage != "bfloat16" else
                        "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators, "
                        "probabilities packed as bfloat16 pairs.")
                     + " The same rows of the blocks at pf_base and again_base are prefetched (0: none).")
@@ -444,11 +460,14 @@ pv = _make_pv_tile()
 F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
 
 
-def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf):
+def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf,
+                *, half=False):
     """acc += p @ v for ``rows`` accumulator rows of float32: F32_CHUNKS chunks of 16 floats of
     each row per pass, held in registers across all n value rows (then head_dim's last 1-3
     chunks); the probabilities are float32, one per token (p_first + r * p_step: row r's); pf:
-    the addresses of the blocks to prefetch."""
+    the addresses of the blocks to prefetch. The value rows are float32, or float16 with
+    ``half`` (widened as they are loaded)."""
+    value_bytes = 2 if half else 4
     sums = _zero_accumulators(builder, rows * F32_CHUNKS)
 
     def acc_pointer(r, offset):
@@ -456,17 +475,21 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
         return builder.inttoptr(address, _F32X16.as_pointer())
 
     def chunks_at(offset, chunks):
+        """The pass over chunks from ``offset`` bytes into the accumulator rows."""
         steps = [ir.Constant(_I64, c * LANES * 4) for c in range(chunks)]
+        v_steps = [ir.Constant(_I64, c * LANES * value_bytes) for c in range(chunks)]
+        v_offset = builder.lshr(offset, ir.Constant(_I64, 1)) if half else offset
         for r in range(rows):
             for c in range(chunks):
                 pointer = acc_pointer(r, builder.add(offset, steps[c]))
                 builder.store(builder.load(pointer, align=4), sums[r * F32_CHUNKS + c])
         with cgutils.for_range(builder, n) as loop:
-            row = builder.add(builder.mul(v_step, loop.index), offset)
+            row = builder.add(builder.mul(v_step, loop.index), v_offset)
             values = []
             for c in range(chunks):
-                _prefetch_if(builder, pf, builder.add(row, steps[c]))
-                values.append(_load(builder, builder.add(v_first, builder.add(row, steps[c])), _F32X16))
+                _prefetch_if(builder, pf, builder.add(row, v_steps[c]))
+                address = builder.add(v_first, builder.add(row, v_steps[c]))
+                values.append(_load_f16(builder, address) if half else _load(builder, address, _F32X16))
             for r in range(rows):
                 p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
                                     builder.mul(loop.index, ir.Constant(_I64, 4)))
@@ -490,7 +513,8 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
             chunks_at(builder.mul(passes, pass_bytes), chunks)
 
 
-pv_f32 = _make_pv_tile(float32=True)
+pv_f32 = _make_pv_tile(storage="float32")
+pv_f16 = _make_pv_tile(storage="float16")
 
 
 @intrinsic

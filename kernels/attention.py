@@ -27,8 +27,9 @@ How the work is shaped:
   CPU's multiply-adds below the memory roof; the tiles made S1 decode ~1.6x faster from cache.
   Prefill over float32 pages (head_dim a multiple of 16) computes scores and values by float32
   FMA tiles of the same shapes: 1.4-1.7x faster there than Numba's loops; decode too (see
-  :func:`decode`). Numba's loops serve float16 pages, head_dim not a multiple of 16, and bfloat16
-  pages of odd page size or with ``fast_bf16=False``.
+  :func:`decode`). float16 pages take the same FMA tiles, each row widened as it is loaded. Numba's
+  loops serve head_dim not a multiple of 16, and bfloat16 pages of odd page size or with
+  ``fast_bf16=False``.
 - Per-thread scratch is allocated once per slot per call, never inside the page loop.
 """
 
@@ -39,7 +40,7 @@ import numpy as np
 from numba import njit, prange
 
 from pagekv.kernels import _bf16_dot as bf16
-from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT32, load_f32
+from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
 from pagekv.kernels._math import fast_exp, fmax
 from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
 
@@ -179,26 +180,29 @@ def _page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_token
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
-def _tiled_loops(float32, *, inline=True):
-    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32
-    pages by FMA tiles (``float32`` True) or bfloat16 pages by vdpbf16ps tiles (False).
+def _tiled_loops(kind, *, inline=True):
+    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32 or
+    float16 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
 
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
     into the kernel.
     """
     jit = njit(inline="always" if inline else "never", **_JIT)
-    four_keys, one_key = (bf16.qk_f32_x4, bf16.qk_f32_x1) if float32 else (bf16.qk_x4, bf16.qk_x1)
-    values = bf16.pv_f32 if float32 else bf16.pv
+    four_keys, one_key, values = {"float32": (bf16.qk_f32_x4, bf16.qk_f32_x1, bf16.pv_f32),
+                                  "float16": (bf16.qk_f16_x4, bf16.qk_f16_x1, bf16.pv_f16),
+                                  "bfloat16": (bf16.qk_x4, bf16.qk_x1, bf16.pv)}[kind]
+    pairs = kind == "bfloat16"  # probabilities packed two tokens to a word
 
     @jit
     def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
         """:func:`_page_scores` by register tiles (kernels/_bf16_dot.py), head_dim a multiple of 16:
-        bfloat16 pages by vdpbf16ps (``float32`` False), or float32 pages by FMAs (``float32`` True).
+        bfloat16 pages by vdpbf16ps, or float32 or float16 pages by FMAs (``kind``).
 
-        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled, or float32; the
-        scores are multiplied by ``scale``. Tiles of 4 query rows x 4 key rows; the rows left over
-        take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at a time.
+        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (bfloat16
+        pages), or float32 (the others); the scores are multiplied by ``scale``. Tiles of 4 query
+        rows x 4 key rows; the rows left over take one tile of 3, 2 or 1 rows, the page's last
+        num_tokens % 4 keys one key at a time.
         Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none) are
         prefetched by the first row tile.
         """
@@ -227,8 +231,8 @@ def _tiled_loops(float32, *, inline=True):
     @jit
     def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
         """:func:`_page_accumulate` by register tiles of 4 accumulator rows (3, 2 or 1 for the rest),
-        head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (``float32``
-        False; col even), or float32 pages by FMAs (``float32`` True).
+        head_dim a multiple of 16: bfloat16 pages by vdpbf16ps, two tokens per instruction (col
+        even), or float32 or float16 pages by FMAs (``kind``).
 
         probs : uint32 [rows, pairs], the probabilities packed by :func:`bf16.pack_pairs`, or float32
         [rows, cols], the probabilities themselves (the scores array). The first row tile prefetches
@@ -237,7 +241,7 @@ def _tiled_loops(float32, *, inline=True):
         head_dim = vc.shape[3]
         block = block_address(vc, vp, vh)
         a_row, p_row = acc.strides[0], probs.strides[0]
-        first_prob = col * 4 if float32 else (col // 2) * 4
+        first_prob = (col // 2) * 4 if pairs else col * 4
         r = r0
         while r < r0 + num_rows:
             rows = min(bf16.MAX_ROWS, r0 + num_rows - r)
@@ -249,13 +253,14 @@ def _tiled_loops(float32, *, inline=True):
     return page_scores, page_accumulate
 
 
-_page_scores_f32, _page_accumulate_f32 = _tiled_loops(True)
-_page_scores_bf16, _page_accumulate_bf16 = _tiled_loops(False)
+_TILED = {kind: _tiled_loops(kind) for kind in ("float32", "float16", "bfloat16")}
 # Prefill's bfloat16 kernel calls its tile loops as functions: inlined into a kernel of its own
 # (:func:`_prefill_kernel`) they ran 5-13% slower (8/2x64, 32/8x128, 16/16x64, 12 process pairs),
 # called they run as fast as they did inlined into the old kernel that held both kinds (0.99-1.01),
 # and compile 2 s faster. Decode keeps them inlined: called, it was 6-16% slower from cache.
-_prefill_scores_bf16, _prefill_accumulate_bf16 = _tiled_loops(False, inline=False)
+_PREFILL_TILED = dict(_TILED, bfloat16=_tiled_loops("bfloat16", inline=False))
+# The storage kind of each kv_format (kernels/_dtypes.py): one decode and one prefill kernel each.
+_KINDS = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16"}
 
 
 @njit(inline="always", **_JIT)
@@ -400,9 +405,9 @@ def _takes_dot_products(k_cache, kv_format, allowed):
 
 
 @njit(inline="always", **_JIT)
-def _takes_f32_tiles(k_cache, kv_format):
-    """Whether the float32 FMA tiles apply: float32 pages, head_dim a multiple of 16."""
-    return kv_format == FORMAT_FLOAT32 and k_cache.shape[3] % bf16.LANES == 0
+def _takes_fma_tiles(k_cache, kv_format):
+    """Whether the FMA tiles apply: float32 or float16 pages, head_dim a multiple of 16."""
+    return kv_format != FORMAT_BFLOAT16 and k_cache.shape[3] % bf16.LANES == 0
 
 
 @njit(inline="always", **_JIT)
@@ -417,16 +422,19 @@ def _finish_row(acc_row, m_r, l_r, out_row):
     return m_r + math.log(l_r)
 
 
-def _decode_kernel(float32_pages):
-    """The kernel of :func:`decode` for one storage: float32 pages (``float32_pages`` True: the FMA
-    tiles or Numba's loops) or 16-bit pages (False: the vdpbf16ps tiles or the loops).
+def _decode_kernel(kind):
+    """The kernel of :func:`decode` for one storage ``kind`` (float32, float16, bfloat16): its
+    own kind of tiles (FMA tiles, or vdpbf16ps for bfloat16), or Numba's loops where they do not
+    apply.
 
-    ``float32_pages`` is a constant of the kernel, so each compiles only its own kind of tiles:
-    a cold compile of decode took 27-31 s with both kinds in one kernel, 20-23 s per storage now
-    (this VM, noisy), and a float32 cache never needs the bfloat16 kernel. Memory-bound speed is
-    unchanged (S1/S2/S3, paired rounds: 0.99-1.02x the time); the generated code differs only
-    where the other kind's tiles were.
+    Each compiles only its own kind of tiles: a cold compile of decode took 27-31 s with the
+    float32 and bfloat16 tiles in one kernel, 20-23 s per storage then (this VM, noisy), and a
+    float32 cache never needs the bfloat16 kernel. Memory-bound speed was unchanged (S1/S2/S3,
+    paired rounds: 0.99-1.02x the time).
     """
+    fma = kind != "bfloat16"  # FMA tiles: the queries are scaled float32, the probabilities float32
+    page_scores, page_accumulate = _TILED[kind]
+
     @njit(parallel=True, **_JIT)
     def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
                window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks,
@@ -438,9 +446,9 @@ def _decode_kernel(float32_pages):
         # float32 pages: the FMA tiles. Against Numba's loops, MHA read 2-10% faster from memory and
         # 25-45% from cache (head_dim 64/80/128, 8-32 heads); GQA, with each line prefetched twice,
         # 0-18% faster from memory and 10-50% from cache (kernels/_bf16_dot.py has the exceptions).
-        tiles = _takes_f32_tiles(k_cache, kv_format) if float32_pages else \
+        tiles = _takes_fma_tiles(k_cache, kv_format) if fma else \
             _takes_dot_products(k_cache, kv_format, dot_products)
-        dots = tiles and not float32_pages  # the bfloat16 tiles' rounded queries and probabilities
+        dots = tiles and not fma  # the bfloat16 tiles' rounded queries and probabilities
         # Numba's loops ask for each line once (kernels/prefetch.py): no second block address for them.
         distances = (prefetch_blocks[0], prefetch_blocks[1] if tiles else 0)
         for slot in prange(slot_indptr.shape[0] - 1):
@@ -467,14 +475,14 @@ def _decode_kernel(float32_pages):
                             if not tiles:
                                 _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
                                              num_tokens, scores, (p - first) * page_size, ahead)
-                            elif float32_pages:  # the queries are scaled already
-                                _page_scores_f32(qs, head * group, group, k_cache, page, head,
-                                                 num_tokens, np.float32(1.0), scores,
-                                                 (p - first) * page_size, ahead, again)
+                            elif fma:  # the queries are scaled already
+                                page_scores(qs, head * group, group, k_cache, page, head,
+                                            num_tokens, np.float32(1.0), scores,
+                                            (p - first) * page_size, ahead, again)
                             else:
-                                _page_scores_bf16(q_bits, head * group, group, k_cache, page, head,
-                                                  num_tokens, scale, scores, (p - first) * page_size,
-                                                  ahead, again)
+                                page_scores(q_bits, head * group, group, k_cache, page, head,
+                                            num_tokens, scale, scores, (p - first) * page_size,
+                                            ahead, again)
                     masked = window > 0 and key0 <= seq_len - 1 - window
                     _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
                                     soft_cap, alibi_slopes, m, l, acc)
@@ -490,12 +498,12 @@ def _decode_kernel(float32_pages):
                             if not tiles:
                                 _page_accumulate(scores, head * group, group, (p - first) * page_size,
                                                  v_cache, page, head, kv_format, num_tokens, acc, ahead)
-                            elif float32_pages:
-                                _page_accumulate_f32(scores, head * group, group, (p - first) * page_size,
-                                                     v_cache, page, head, num_tokens, acc, ahead, again)
+                            elif fma:
+                                page_accumulate(scores, head * group, group, (p - first) * page_size,
+                                                v_cache, page, head, num_tokens, acc, ahead, again)
                             else:
-                                _page_accumulate_bf16(packed, head * group, group, (p - first) * page_size,
-                                                      v_cache, page, head, num_tokens, acc, ahead, again)
+                                page_accumulate(packed, head * group, group, (p - first) * page_size,
+                                                v_cache, page, head, num_tokens, acc, ahead, again)
                 for h in range(num_q_heads):
                     if part < 0:
                         lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
@@ -505,7 +513,7 @@ def _decode_kernel(float32_pages):
     return decode
 
 
-_DECODE = {True: _decode_kernel(True), False: _decode_kernel(False)}
+_DECODE = {kv_format: _decode_kernel(kind) for kv_format, kind in _KINDS.items()}
 
 
 def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
@@ -528,7 +536,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     bfloat16 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
     kernels/_bf16_dot.py), when the shape allows.
     """
-    _DECODE[k_cache.dtype == np.float32](
+    _DECODE[kv_format](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale, window,
         soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, dot_products)
 
@@ -563,10 +571,13 @@ def merge_parts(part_out, part_lse, split_seqs, out, lse):
             lse[seq, h] = top + math.log(total)
 
 
-def _prefill_kernel(float32_pages):
+def _prefill_kernel(kind):
     """The kernel of :func:`prefill` for one storage, as :func:`_decode_kernel` is for decode: a
     cold compile of prefill took 21-22 s per storage with both kinds of tiles in one kernel,
-    12-15 s now; its speed is unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
+    12-15 s since; its speed was unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
+    fma = kind != "bfloat16"
+    page_scores, page_accumulate = _PREFILL_TILED[kind]
+
     @njit(parallel=True, **_JIT)
     def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
                 scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products):
@@ -576,9 +587,9 @@ def _prefill_kernel(float32_pages):
         chunk_pages = max(1, CHUNK_TOKENS // page_size)
         # float32 pages: the FMA score and value tiles (compute-bound here: 1.4-1.7x faster than
         # Numba's loops, kernels/_bf16_dot.py), as in decode. The queries are scaled already.
-        tiles = _takes_f32_tiles(k_cache, kv_format) if float32_pages else \
+        tiles = _takes_fma_tiles(k_cache, kv_format) if fma else \
             _takes_dot_products(k_cache, kv_format, dot_products)
-        dots = tiles and not float32_pages
+        dots = tiles and not fma
         for slot in prange(slot_indptr.shape[0] - 1):
             qs, acc, m, l, qpos, scores = _slot_scratch(
                 max_rows, chunk_pages * page_size, head_dim)
@@ -612,14 +623,14 @@ def _prefill_kernel(float32_pages):
                         if not tiles:
                             _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
                                          num_tokens, scores, (p - first) * page_size, ahead)
-                        elif float32_pages:
-                            _page_scores_f32(qs, 0, num_rows, k_cache, block_table[seq, p], head,
-                                             num_tokens, np.float32(1.0), scores, (p - first) * page_size,
-                                             ahead, 0)
+                        elif fma:
+                            page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head,
+                                        num_tokens, np.float32(1.0), scores, (p - first) * page_size,
+                                        ahead, 0)
                         else:
-                            _prefill_scores_bf16(q_bits, 0, num_rows, k_cache, block_table[seq, p],
-                                                 head, num_tokens, scale, scores,
-                                                 (p - first) * page_size, ahead, 0)
+                            page_scores(q_bits, 0, num_rows, k_cache, block_table[seq, p],
+                                        head, num_tokens, scale, scores,
+                                        (p - first) * page_size, ahead, 0)
                     masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
                     _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
                                     slopes, m, l, acc)
@@ -633,13 +644,13 @@ def _prefill_kernel(float32_pages):
                         if not tiles:
                             _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
                                              block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
-                        elif float32_pages:
-                            _page_accumulate_f32(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                                 block_table[seq, p], head, num_tokens, acc, ahead, 0)
+                        elif fma:
+                            page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                            block_table[seq, p], head, num_tokens, acc, ahead, 0)
                         else:
-                            _prefill_accumulate_bf16(packed, 0, num_rows, (p - first) * page_size,
-                                                     v_cache, block_table[seq, p], head, num_tokens,
-                                                     acc, ahead, 0)
+                            page_accumulate(packed, 0, num_rows, (p - first) * page_size,
+                                            v_cache, block_table[seq, p], head, num_tokens,
+                                            acc, ahead, 0)
                 for i in range(row_end - row_begin):
                     for g in range(group):
                         r = i * group + g
@@ -649,7 +660,7 @@ def _prefill_kernel(float32_pages):
     return prefill
 
 
-_PREFILL = {True: _prefill_kernel(True), False: _prefill_kernel(False)}
+_PREFILL = {kv_format: _prefill_kernel(kind) for kv_format, kind in _KINDS.items()}
 
 
 def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
@@ -663,6 +674,6 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     pages); the tiles are not asked again nearer: that made prefill 1-4% slower (compute-bound).
     dot_products : bool, as in :func:`decode`.
     """
-    _PREFILL[k_cache.dtype == np.float32](
+    _PREFILL[kv_format](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr, scale,
         window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products)

@@ -105,15 +105,17 @@ def test_prefill_matches_reference(problem, data):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["float32", "float16"])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 80), (17, 128), (64, 256)])
-def test_float32_decode_tiles_match_reference(page_size, head_dim, group):
-    """float32 pages take decode's FMA tiles (kernels/attention.py): tiles of 1, 2, 3 or 4 query
-    rows per KV head, and 4-row tiles plus a 1-, 2- or 3-row tile for the rest (groups 5-7); odd page
-    sizes, pages ending mid-way, every head_dim chunk count, with the masking options."""
+def test_fma_decode_tiles_match_reference(page_size, head_dim, group, kind):
+    """float32 and float16 pages take decode's FMA tiles (kernels/attention.py): tiles of 1, 2, 3
+    or 4 query rows per KV head, and 4-row tiles plus a 1-, 2- or 3-row tile for the rest (groups
+    5-7); odd page sizes, pages ending mid-way, every head_dim chunk count, with the masking
+    options."""
     rng = np.random.default_rng(page_size)
     kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=3, head_dim=head_dim, page_size=page_size,
-                 kind="float32")
+                 kind=kind)
     q = rng.standard_normal((4, 3 * group, head_dim)).astype(np.float32)
     slopes = (2.0 ** -np.arange(1, 3 * group + 1)).astype(np.float32)
     for options in ({}, {"sliding_window": 40, "logits_soft_cap": 5.0, "alibi_slopes": slopes}):
@@ -121,11 +123,11 @@ def test_float32_decode_tiles_match_reference(page_size, head_dim, group):
                                                     return_lse=True, **options)
         expected, expected_lse = reference.decode(q.astype(np.float64), kv.k64, kv.v64,
                                                   kv.block_table, kv.seq_lens, **options)
-        assert relative_error(out, expected) <= TOLERANCE["float32"]
+        assert relative_error(out, expected) <= TOLERANCE["float32"]  # float32 math on the stored values
         np.testing.assert_allclose(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
 def test_prefetch_changes_no_result(kind):
     """Prefetch only moves data closer: outputs are bit-identical off, on, and at any distance
     (1 byte = one block ahead, 10**6 = past every item's end)."""

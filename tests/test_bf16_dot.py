@@ -20,12 +20,14 @@ ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops
 STALE = 0x7FC0  # a bfloat16 NaN: what a page's unused rows may hold
 
 
-def _scores_harness(tokens, float32):
-    """A fresh (uncached) function that runs one query-key tile: compiled on its first call, so
-    it takes whatever code generation the tiles choose at that moment. float32 rows take the
-    float32 tiles."""
-    tile = {(4, False): bf16.qk_x4, (1, False): bf16.qk_x1,
-            (4, True): bf16.qk_f32_x4, (1, True): bf16.qk_f32_x1}[tokens, float32]
+PREFIX = {"bfloat16": "", "float32": "f32_", "float16": "f16_"}  # the tiles of each storage
+
+
+def _scores_harness(tokens, storage):
+    """A fresh (uncached) function that runs one query-key tile for keys of ``storage``: compiled
+    on its first call, so it takes whatever code generation the tiles choose at that moment.
+    float16 keys are passed as their bits (uint16): the tile reads them through their address."""
+    tile = getattr(bf16, f"qk_{PREFIX[storage]}x{tokens}")
 
     @njit
     def run(q, k, scale, out, pf):
@@ -34,10 +36,10 @@ def _scores_harness(tokens, float32):
     return run
 
 
-def _values_harness(float32):
-    """Runs one value tile, compiled on first call; float32 rows (and probabilities) take the
-    float32 tiles, bfloat16 rows the packed probabilities."""
-    tile = bf16.pv_f32 if float32 else bf16.pv
+def _values_harness(storage):
+    """Runs one value tile for value rows of ``storage``, compiled on first call: float32
+    probabilities, or packed pairs of them for bfloat16 rows."""
+    tile = getattr(bf16, f"pv_{PREFIX[storage]}".rstrip("_"))
 
     @njit
     def run(acc, v, probs, num_tokens, pf):
@@ -73,7 +75,7 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
     rng = np.random.default_rng(seed)
     q, k = _bf16(rng, (rows, head_dim)), _padded_rows(rng, tokens, head_dim)
     out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
-    _scores(tokens, False)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _scores(tokens, "bfloat16")(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
@@ -81,15 +83,17 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
 
 @given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
-       st.integers(0, 2**16), st.booleans())
-def test_float32_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch):
+       st.integers(0, 2**16), st.booleans(), st.sampled_from(["float32", "float16"]))
+def test_fma_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch, storage):
+    """float32 queries against float32 or float16 keys (widened as the tile loads them)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((rows, head_dim)).astype(np.float32)
-    k = np.full((tokens, head_dim + 16), np.nan, np.float32)  # NaN gaps: no read past head_dim
+    k = np.full((tokens, head_dim + 16), np.nan, storage)  # NaN gaps: no read past head_dim
     k[:, :head_dim] = rng.standard_normal((tokens, head_dim))
     k = k[:, :head_dim]
     out = np.full((rows, 8), np.nan, np.float32)
-    _scores(tokens, True)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _scores(tokens, storage)(q, k.view(np.uint32 if storage == "float32" else np.uint16),
+                             np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = q.astype(np.float64) @ k.astype(np.float64).T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
@@ -111,25 +115,26 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
     expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
-    _values(False)(acc, v, packed, num_tokens, v.ctypes.data)
+    _values("bfloat16")(acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 96, 112, 128, 256, 272]),
-       st.integers(1, 16), st.integers(0, 2**16))
-def test_float32_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
-    """acc += p @ v over num_tokens float32 rows of a 16-row page whose other rows, the gaps after
-    each row and the probabilities past num_tokens hold NaN; head_dim 80-112 and 272 end in a
-    pass of 1-3 chunks."""
+       st.integers(1, 16), st.integers(0, 2**16), st.sampled_from(["float32", "float16"]))
+def test_fma_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed, storage):
+    """acc += p @ v over num_tokens float32 or float16 rows of a 16-row page whose other rows, the
+    gaps after each row and the probabilities past num_tokens hold NaN; head_dim 80-112 and 272
+    end in a pass of 1-3 chunks."""
     rng = np.random.default_rng(seed)
-    v = np.full((16, head_dim + 16), np.nan, np.float32)
+    v = np.full((16, head_dim + 16), np.nan, storage)
     v[:num_tokens, :head_dim] = rng.standard_normal((num_tokens, head_dim))
     v = v[:, :head_dim]
     p = np.full((rows, 16), np.nan, np.float32)
     p[:, :num_tokens] = rng.random((rows, num_tokens))
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v[:num_tokens].astype(np.float64)
-    _values(True)(acc, v, p, num_tokens, v.ctypes.data)
+    _values(storage)(acc, v.view(np.uint32 if storage == "float32" else np.uint16), p, num_tokens,
+                     v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -160,7 +165,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     results = []
     for native in (True, False):
         monkeypatch.setattr(bf16, "HAS_AVX512_BF16", native)
-        scores, values = _scores_harness(4, False), _values_harness(False)  # compiled now
+        scores, values = _scores_harness(4, "bfloat16"), _values_harness("bfloat16")  # compiled now
         out, acc = np.zeros((4, 4), np.float32), acc0.copy()
         scores(q, k, np.float32(0.125), out, 0)
         values(acc, v, packed, 15, 0)
