@@ -6,15 +6,16 @@ AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16 pairs into 16 float32 sums pe
 twice the products of a float32 FMA, with no widening instructions. Numba's vectoriser never
 emits it, so the two inner loops are written here as IR:
 
-- ``qk_RxT`` — scores of R query rows (1-4) against T key rows (4 or 1): a register tile of R x T
-  accumulators, summed across lanes together at the end: one tree of shuffles for the whole tile,
-  not one per dot product; ``qk_f32_RxT``, the same tile on float32 rows with FMAs, for the
-  compute-bound prefill of float32 caches (as is ``pv_f32_R`` below);
-- ``pv_R`` — R accumulator rows (1-4) += probabilities x value rows, two tokens per instruction:
+- ``qk_xT`` — scores of R query rows (1-4, the first argument) against T key rows (4 or 1): a
+  register tile of R x T accumulators, summed across lanes together at the end: one tree of
+  shuffles for the whole tile, not one per dot product; ``qk_f32_xT`` and ``qk_f16_xT``, the
+  same tiles on float32 queries and float32 or float16 key rows with FMAs, for float32 and
+  float16 caches (as are ``pv_f32`` and ``pv_f16`` below);
+- ``pv`` — R accumulator rows (1-4) += probabilities x value rows, two tokens per instruction:
   the rows of tokens t and t + 1 are interleaved so each bfloat16 pair is (v[t, d], v[t + 1, d]),
-  and the probabilities arrive packed as (p[t], p[t + 1]) pairs; ``pv_f32_R``, float32 value rows
-  by FMAs, 4 chunks of 16 floats of R rows in registers across a page's tokens (Numba's loop
-  loaded and stored the accumulators every 4 tokens).
+  and the probabilities arrive packed as (p[t], p[t + 1]) pairs; ``pv_f32``/``pv_f16``, float32
+  or float16 value rows by FMAs, 4 chunks of 16 floats of R rows in registers across a page's
+  tokens (Numba's loop loaded and stored the accumulators every 4 tokens).
 
 Rows are taken 32 elements (one 512-bit register) at a time, and a last 16 zero-extended when
 head_dim % 32 == 16 (80, 112): head_dim must be a multiple of 16.
@@ -290,8 +291,10 @@ qk_x1 = _make_qk_tile(1)
 # (group 2, then two one-row tiles per KV head: 14-15% slower at head_dim 128, before the 2-row tile).
 qk_f32_x4 = _make_qk_tile(4, storage="float32")
 qk_f32_x1 = _make_qk_tile(1, storage="float32")
-# float16 keys: the float32 tiles on rows widened as they are loaded (vcvtph2ps). Numba's loops,
-# which widen element by element, had float16 decode compute-bound at S1: MEASURE.
+# float16 keys (and values, pv_f16): the float32 tiles on rows widened as they are loaded
+# (vcvtph2ps). Numba's loops, which widen element by element, held float16 decode below the roof
+# even from cache (S1 81% of ~35 GB/s); with these tiles decode is 1.07-1.45x faster from memory
+# (S1/S2/S3, groups 3 and 7) and prefill 1.15-1.38x.
 qk_f16_x4 = _make_qk_tile(4, storage="float16")
 qk_f16_x1 = _make_qk_tile(1, storage="float16")
 
