@@ -107,38 +107,51 @@ def _broadcast_pair(builder, address):
     return builder.bitcast(every, _I16X32)
 
 
-def _merge(builder, x, y, block):
-    """Halve the lane blocks of x and y (each block of ``block`` lanes owned by one dot product)
-    and pack them into one vector: lanes kB..kB+B/2-1 sum x's block k, the next B/2 y's."""
-    half = block // 2
+def _merge_masks(block):
+    """The two shuffles of a merge that halves every ``block``-lane block of x and y (lane
+    indices into x ++ y): lane i of the merge is low[i] + high[i], two lanes of one block.
+
+    Each is one cheap instruction: 256-bit halves (vinsertf64x4, vshuff64x2) for block 16,
+    128-bit lanes (vshuff32x4) for block 8, in-lane vshufps for blocks 4 and 2. The masks that
+    kept every block in place took two-source permutes (vpermt2pd, vpermt2ps) for blocks 8 and
+    2, and each row then needed a permute of its own to be stored (4 x 4 score tiles 1.1x faster
+    without, from cache)."""
+    def of_both(lanes):  # these lanes of x, then the same of y
+        return lanes + [LANES + i for i in lanes]
+
+    if block == 16:
+        return of_both(list(range(8))), of_both(list(range(8, 16)))
+    if block == 8:
+        return of_both([0, 1, 2, 3, 8, 9, 10, 11]), of_both([4, 5, 6, 7, 12, 13, 14, 15])
+    first, second = ((0, 1), (2, 3)) if block == 4 else ((0, 2), (1, 3))
     low, high = [], []
-    for start in range(0, LANES, block):
-        low += [start + i for i in range(half)] + [LANES + start + i for i in range(half)]
-        high += [start + half + i for i in range(half)] + [LANES + start + half + i for i in range(half)]
-    mask = ir.VectorType(_I32, LANES)
-    return builder.fadd(builder.shuffle_vector(x, y, ir.Constant(mask, low)),
-                        builder.shuffle_vector(x, y, ir.Constant(mask, high)))
+    for lane in range(0, LANES, 4):
+        low += [lane + i for i in first] + [LANES + lane + i for i in first]
+        high += [lane + i for i in second] + [LANES + lane + i for i in second]
+    return low, high
 
 
 def _lane_sums(builder, vectors):
     """The lane sums of up to 16 <16 x float> vectors, as (one vector, lane of each input's sum).
 
-    A tree of merges (two shuffles and an add each) reduces all of them together: 45 instructions
-    for 16 vectors, against ~8 each summed alone.
+    A tree of merges (two shuffles and an add each, :func:`_merge_masks`) reduces all of them
+    together: 45 instructions for 16 vectors, against ~8 each summed alone. Input p of 16 ends
+    in lane 4 * (p % 4) + p // 4.
     """
     owners = [[i] * LANES for i in range(len(vectors))]
     block = LANES
+    mask_type = ir.VectorType(_I32, LANES)
     while len(vectors) > 1 or block > 1:
         if len(vectors) % 2:  # an odd count (or fewer inputs than lanes): merge the last with itself
             vectors, owners = vectors + vectors[-1:], owners + owners[-1:]
+        low, high = _merge_masks(block)
         merged, merged_owners = [], []
         for j in range(0, len(vectors), 2):
-            merged.append(_merge(builder, vectors[j], vectors[j + 1], block))
-            x, y = owners[j], owners[j + 1]
-            lanes = []
-            for start in range(0, LANES, block):
-                lanes += [x[start]] * (block // 2) + [y[start]] * (block // 2)
-            merged_owners.append(lanes)
+            x, y = vectors[j], vectors[j + 1]
+            merged.append(builder.fadd(builder.shuffle_vector(x, y, ir.Constant(mask_type, low)),
+                                       builder.shuffle_vector(x, y, ir.Constant(mask_type, high))))
+            both = owners[j] + owners[j + 1]
+            merged_owners.append([both[i] for i in low])
         vectors, owners, block = merged, merged_owners, block // 2
     lane_of = {}
     for lane, owner in enumerate(owners[0]):
@@ -206,6 +219,16 @@ def _rows_switch(builder, rows, emit):
             emit(n)
 
 
+def _score_order(rows, tokens):
+    """The order in which a tile's rows x tokens sums (index r * tokens + t) enter the lane-sum
+    tree: for a 4 x 4 tile, the one that leaves row r's 4 scores in order in 128-bit lane r
+    (input p ends in lane 4 * (p % 4) + p // 4), so a row is stored straight from its lane
+    instead of being gathered by a permute."""
+    if (rows, tokens) != (4, 4):
+        return list(range(rows * tokens))
+    return [r * 4 + t for t in range(4) for r in range(4)]
+
+
 def _make_qk_tile(tokens, *, storage="bfloat16"):
     """Tiles of rows x tokens scores, rows (1-4) the first argument, head_dim a multiple of 16:
     bfloat16 key rows and queries by vdpbf16ps (``storage="bfloat16"``), or float32 queries and
@@ -243,13 +266,14 @@ def _make_qk_tile(tokens, *, storage="bfloat16"):
                          builder.mul(loop.index, ir.Constant(_I64, LANES * key_bytes)))
         else:
             _over_head_dim(builder, dims, multiply)
-        total, lane_of = _lane_sums(builder, [builder.load(s) for s in sums])
+        order = _score_order(rows, tokens)
+        total, lane_at = _lane_sums(builder, [builder.load(sums[i]) for i in order])
+        lane_of = {order[position]: lane for position, lane in lane_at.items()}
         total = builder.fmul(total, _splat(builder, factor))
         row_type = ir.VectorType(_F32, tokens)
-        for r in range(rows):  # one shuffle and one store per row, not one per score
+        for r in range(rows):  # one store per row (one shuffle, or none for a 4 x 4 tile)
             address = builder.add(out_base, builder.mul(out_step, ir.Constant(_I64, r)))
-            lanes = ir.Constant(ir.VectorType(_I32, tokens),
-                                [lane_of[r * tokens + t] for t in range(tokens)])
+            lanes = ir.Constant(ir.VectorType(_I32, tokens), [lane_of[r * tokens + t] for t in range(tokens)])
             row = builder.shuffle_vector(total, ir.Constant(_F32X16, ir.Undefined), lanes)
             builder.store(row, builder.inttoptr(address, row_type.as_pointer()), align=4)
 
