@@ -323,12 +323,32 @@ qk_f16_x4 = _make_qk_tile(4, storage="float16")
 qk_f16_x1 = _make_qk_tile(1, storage="float16")
 
 
+def _unpack_masks(width):
+    """vpunpcklwd and vpunpckhwd of rows v0, v1 of ``width`` (32 or 16) bfloat16 (indices into
+    v0 ++ v1): within each 128-bit lane L, the pairs (v0[d], v1[d]) of d = 8L .. 8L + 3 (low) and
+    of d = 8L + 4 .. 8L + 7 (high)."""
+    low, high = [], []
+    for lane in range(width // 8):
+        for i in range(4):
+            low += [8 * lane + i, width + 8 * lane + i]
+            high += [8 * lane + 4 + i, width + 8 * lane + 4 + i]
+    return low, high
+
+
 def _interleave(builder, v0, v1, width):
     """Rows t and t + 1 (``width`` bfloat16 each) as width / 16 <32 x i16> vectors of pairs
-    (v0[d], v1[d]): one float32 lane per d under vdpbf16ps."""
-    masks = [[h * LANES + i // 2 + (width if i % 2 else 0) for i in range(PAIRS)]
-             for h in range(width // LANES)]
-    return [builder.shuffle_vector(v0, v1, ir.Constant(ir.VectorType(_I32, PAIRS), mask)) for mask in masks]
+    (v0[d], v1[d]): one float32 lane per d under vdpbf16ps, in the order :func:`value_dim` gives.
+
+    In-lane unpacks, one cheap instruction each, rather than a two-source permute (vpermt2w) into
+    the natural order of d: value tiles ran 1.1-1.3x faster so in a C microbenchmark (rows 2-4,
+    from cache). The accumulators keep the unpacks' order of d, and the kernels put each output
+    row back in order when they write it."""
+    low, high = _unpack_masks(width)
+    mask = ir.VectorType(_I32, width)
+    halves = [builder.shuffle_vector(v0, v1, ir.Constant(mask, m)) for m in (low, high)]
+    if width == PAIRS:
+        return halves
+    return [builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(_I32, PAIRS), list(range(PAIRS))))]
 
 
 def _make_pv_tile(*, storage="bfloat16"):
@@ -557,6 +577,16 @@ def _f32_bits(typingctx, x):
 
 
 _JIT: dict[str, Any] = dict(cache=True, error_model="numpy", nogil=True)
+
+
+@njit(inline="always", **_JIT)
+def value_dim(j, head_dim):
+    """The dimension d that position j of a bfloat16 value tile's accumulator row holds (the
+    order of :func:`_interleave`'s unpacks): in each 32 positions, j = 16h + 4g + i holds
+    d = 8g + 4h + i; in a last 16 (head_dim % 32 == 16), j = 8h + 4g + i holds the same d."""
+    base, k = j - j % PAIRS, j % PAIRS
+    half = LANES if base + PAIRS <= head_dim else LANES // 2
+    return base + 8 * ((k % half) // 4) + 4 * (k // half) + k % 4
 
 
 @njit(inline="always", **_JIT)

@@ -411,14 +411,18 @@ def _takes_fma_tiles(k_cache, kv_format):
 
 
 @njit(inline="always", **_JIT)
-def _finish_row(acc_row, m_r, l_r, out_row):
-    """Write acc / l to out_row and return the row's log-sum-exp (-inf and zeros if nothing attended)."""
+def _finish_row(acc_row, m_r, l_r, out_row, dots):
+    """Write acc / l to out_row and return the row's log-sum-exp (-inf and zeros if nothing attended).
+
+    dots: the accumulators are the bfloat16 value tiles', their dimensions in the order of
+    :func:`bf16.value_dim` (put back in order here, once per row)."""
     if l_r == 0.0:
         out_row[:] = 0.0
         return -np.inf
     inv = np.float32(1.0) / l_r
-    for d in range(acc_row.shape[0]):
-        out_row[d] = acc_row[d] * inv
+    head_dim = acc_row.shape[0]
+    for j in range(head_dim):
+        out_row[bf16.value_dim(j, head_dim) if dots else j] = acc_row[j] * inv
     return m_r + math.log(l_r)
 
 
@@ -506,9 +510,9 @@ def _decode_kernel(kind):
                                                 v_cache, page, head, num_tokens, acc, ahead, again)
                 for h in range(num_q_heads):
                     if part < 0:
-                        lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h])
+                        lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], dots)
                     else:
-                        part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h])
+                        part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h], dots)
 
     return decode
 
@@ -655,7 +659,7 @@ def _prefill_kernel(kind):
                     for g in range(group):
                         r = i * group + g
                         lse[row_begin + i, head * group + g] = _finish_row(
-                            acc[r], m[r], l[r], out[row_begin + i, head * group + g])
+                            acc[r], m[r], l[r], out[row_begin + i, head * group + g], dots)
 
     return prefill
 

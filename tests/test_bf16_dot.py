@@ -56,6 +56,12 @@ def _pack(p, num_cols, packed):
     bf16.pack_pairs(p, 0, p.shape[0], num_cols, packed)
 
 
+def _value_order(head_dim):
+    """int64 [head_dim]: the dimension that each position of a bfloat16 value tile's
+    accumulator row holds."""
+    return np.array([bf16.value_dim(j, head_dim) for j in range(head_dim)])
+
+
 def _bf16(rng, shape):
     return to_storage(rng.standard_normal(shape), "bfloat16")
 
@@ -115,8 +121,22 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
     expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
-    _values("bfloat16")(acc, v, packed, num_tokens, v.ctypes.data)
-    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
+    order = _value_order(head_dim)  # the tile keeps dimension order[j] at position j
+    tile_acc = acc[:, order].copy()
+    _values("bfloat16")(tile_acc, v, packed, num_tokens, v.ctypes.data)
+    np.testing.assert_allclose(tile_acc, expected[:, order], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 128, 272])
+def test_value_order_is_a_permutation_of_whole_chunks(head_dim):
+    """Each 32 positions hold their own 32 dimensions (the last 16 their own 16), so a row's
+    dimensions can be put back in order, and only within a chunk."""
+    order = _value_order(head_dim)
+    np.testing.assert_array_equal(np.sort(order), np.arange(head_dim))
+    np.testing.assert_array_equal(order // 32, np.arange(head_dim) // 32)
+    first_16 = [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27] if head_dim >= 32 else \
+        [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]  # vpunpcklwd's, vpunpckhwd's
+    assert list(order[:16]) == first_16
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 96, 112, 128, 256, 272]),
