@@ -218,3 +218,37 @@ def test_fast_bf16_keeps_a_bfloat16_query_exact():
                                                         fast_bf16=False)
     np.testing.assert_allclose(fast_lse, exact_lse, rtol=1e-6, atol=1e-6)
     assert 0 < np.abs(fast - exact).max() <= 5e-3 * np.abs(exact).max()
+
+
+def _lane_sum_tree(count):
+    """The lanes where _lane_sums leaves the sums of ``count`` vectors, and the shuffle masks it
+    emits (built into a throwaway LLVM function)."""
+    from llvmlite import ir
+
+    vector = ir.VectorType(ir.FloatType(), bf16.LANES)
+    function = ir.Function(ir.Module(), ir.FunctionType(ir.VoidType(), [vector] * count), "tree")
+    builder = ir.IRBuilder(function.append_basic_block())
+    _, lane_of = bf16._lane_sums(builder, list(function.args))
+    masks = [i.operands[2] for i in function.blocks[0].instructions if i.opname == "shufflevector"]
+    return lane_of, masks
+
+
+def test_lane_sum_tree_leaves_each_input_where_its_docstring_says():
+    """Input p of 16 ends in lane 4 * (p % 4) + p // 4: the order _score_order relies on to
+    store each row of a 4 x 4 score tile straight from one 128-bit lane."""
+    lane_of, masks = _lane_sum_tree(16)
+    assert lane_of == {p: 4 * (p % 4) + p // 4 for p in range(16)}
+    assert len(masks) == 30  # 15 merges of two shuffles
+    order = bf16._score_order(4, 4)
+    for r in range(4):  # row r's scores, in token order, fill lanes 4r .. 4r + 3
+        assert [lane_of[order.index(r * 4 + t)] for t in range(4)] == [4 * r + t for t in range(4)]
+
+
+@pytest.mark.parametrize("block", [16, 8, 4, 2])
+def test_every_merge_adds_two_lanes_of_one_block(block):
+    """Each lane of a merge adds two lanes of the same block of x (or of y), and the merge keeps
+    every lane of both: a mask that mixed blocks would add two different dot products."""
+    low, high = bf16._merge_masks(block)
+    assert sorted(low + high) == list(range(2 * bf16.LANES))
+    for a, b in zip(low, high):
+        assert a // block == b // block
