@@ -437,8 +437,9 @@ def _make_pv_tile(*, storage="bfloat16"):
     tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
                     + (f"{storage} value rows (head_dim a multiple of 16) and float32 probabilities, "
                        "one per token." if storage != "bfloat16" else
-                       "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators (each row's dimensions in the order of value_dim), "
-                       "probabilities packed as bfloat16 pairs.")
+                       "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators (each "
+                       "row's dimensions in the order of value_dim), probabilities packed as "
+                       "bfloat16 pairs.")
                     + " The same rows of the blocks at pf_base and again_base are prefetched (0: none).")
     return tile
 
