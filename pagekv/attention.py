@@ -17,6 +17,7 @@ import numpy as np
 
 from pagekv import _arrays
 from pagekv.errors import InvalidPageError
+from pagekv.kernels import amx_attention as _amx_attention
 from pagekv.kernels import attention as _attention
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import convert as _convert
@@ -396,9 +397,14 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_tokens, num_q_heads), np.float32)
     _threads.start()
-    _attention.prefill(q32, k, v, _arrays.KV_FORMAT[kind], table, lens, indptr, items, slot_indptr,
-                       scale, window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0],
-                       _flag(fast_bf16, "fast_bf16"))
+    kv_format, dot_products = _arrays.KV_FORMAT[kind], _flag(fast_bf16, "fast_bf16")
+    if _amx_attention.applies(k, kv_format, dot_products):  # CPUs with AMX: kernels/_amx.py
+        _amx_attention.prefill(q32, k, v, table, lens, indptr, items, slot_indptr, scale, window, cap,
+                               slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0])
+    else:
+        _attention.prefill(q32, k, v, kv_format, table, lens, indptr, items, slot_indptr, scale,
+                           window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0],
+                           dot_products)
     if buffer is not storage:
         _from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result

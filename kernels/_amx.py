@@ -1,0 +1,281 @@
+"""Intel AMX tiles for bfloat16 prefill attention: the tile instructions, as inline assembly.
+
+Why: on CPUs with AMX (Intel Xeon since Sapphire Rapids) one ``tdpbf16ps`` multiplies a 16 x 32
+bfloat16 tile by a 32 x 16 one into 16 x 16 float32 sums: 8,192 products per instruction.
+Measured on this project's Intel Xeon VM (2 cores, 2.1 GHz): 1,134 G bfloat16 products per
+second per core, against 34-42 G by AVX-512's ``vdpbf16ps`` (1.05-1.32 G instructions/s there,
+no faster than float32 FMAs). Prefill, 16 query tokens x a GQA group per work item (64 rows for
+S1's heads), is bound by those products; torch's SDPA, which takes AMX through oneDNN, ran 3.7x
+faster than pagekv's ``vdpbf16ps`` prefill on that CPU.
+
+Decode does not take them: a group of 4 query rows fills a quarter of a tile, and a decode kernel
+built on these tiles (4-row groups, value sums kept in memory between pages) ran 1.27-1.29x
+slower than the ``vdpbf16ps`` kernel from memory (S1, S2; alternating rounds in one process).
+SGLang's CPU backend keeps decode on AVX-512 for the same reason.
+
+Numba and llvmlite have no AMX types, and LLVM's AMX intrinsics need tile shapes it tracks
+itself; so each instruction is emitted as inline assembly on fixed tile registers, and a kernel
+loads the tile configuration (:data:`CONFIG`) in each thread before its first tile instruction.
+LLVM never allocates the tile registers on its own, so nothing else touches them between calls.
+Every tile is 16 rows x 64 bytes (16 float32 or 32 bfloat16):
+
+- scores, S = Q K^T per 16 query rows x 16 keys: A = 16 query rows (32 dims), B = 16 keys
+  transposed into pairs of dims (``vnni``, :func:`transpose_keys` in the kernel), C in tiles 4-7
+  (up to four row groups at once, independent sums);
+- values, O += P V per 16 rows x 32 dims: B = 16 value rows as they lie in a page (32 dims, 16
+  pairs of dims per row), A = the probabilities spread to even or to odd bfloat16 slots (zeros
+  between), so each pair of dims meets one probability per token: the even dims sum in one C tile,
+  the odd ones in another (:func:`acc_dim`). That takes twice the tile products of value rows
+  interleaved in pairs, and no interleaving.
+"""
+
+import ctypes
+import os
+
+import llvmlite.binding as llvm  # type: ignore[import-untyped]
+import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped]
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+ROWS = 16  # rows of every tile: query rows of a group, keys, value rows
+ROW_BYTES = 64  # bytes per tile row: 32 bfloat16 or 16 float32
+CHUNK = 32  # bfloat16 dims per tile row
+TILE_BYTES = ROWS * ROW_BYTES
+GROUPS = 4  # row groups whose scores one key tile feeds at once (tiles 4-7)
+CONFIG_BYTES = 64
+
+_ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask Linux for an extended-state component
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158  # x86-64
+
+
+def _tile_data_permitted():
+    """Ask Linux for AMX's tile state (needed once per process before any tile instruction,
+    since Linux 5.16; without it the first one raises SIGILL). True when granted."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _available():
+    if os.environ.get("PAGEKV_AMX", "1") == "0":
+        return False
+    features = llvm.get_host_cpu_features()
+    if not (features.get("amx-tile") and features.get("amx-bf16")):
+        return False
+    return os.uname().machine == "x86_64" and _tile_data_permitted()
+
+
+# Whether the bfloat16 kernels may take AMX tiles: the CPU has AMX-BF16, Linux granted the tile
+# state, and PAGEKV_AMX is not "0" (set it to compare against the vdpbf16ps tiles).
+AVAILABLE = _available()
+if AVAILABLE:
+    llvm.initialize_native_asmparser()  # inline assembly needs the target's assembler parser
+
+_VOID = ir.VoidType()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+
+
+def _asm(builder, text, *operands):
+    """Emit ``text`` (AT&T syntax, operands $0, $1, ... in registers) as a volatile asm
+    statement that may read and write any memory."""
+    constraints = ",".join(["r"] * len(operands) + ["~{memory}"])
+    builder.asm(ir.FunctionType(_VOID, [o.type for o in operands]), text, constraints, list(operands),
+                side_effect=True)
+
+
+def _product(builder, c, a, b):
+    """tile c += tile a x tile b (bfloat16 pairs into float32)."""
+    _asm(builder, f"tdpbf16ps %tmm{b}, %tmm{a}, %tmm{c}")
+
+
+def _i64(value):
+    return ir.Constant(_I64, value)
+
+
+@intrinsic
+def configure(typingctx, address):
+    """Load the tile configuration at ``address`` (64 bytes, :func:`tile_config`) in this thread."""
+    def codegen(context, builder, signature, args):
+        _asm(builder, "ldtilecfg ($0)", args[0])
+        return context.get_dummy_value()
+
+    return types.void(address), codegen
+
+
+@intrinsic
+def release(typingctx):
+    """Return the tile state to its initial, empty state (so a thread switch saves no tiles)."""
+    def codegen(context, builder, signature, args):
+        _asm(builder, "tilerelease")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _groups_switch(builder, groups, emit):
+    """emit(n) under ``groups == n`` for n = 1..4: the tile registers an instruction names are
+    fixed in its text, so each count of row groups gets its own code."""
+    for n in range(1, GROUPS + 1):
+        with builder.if_then(builder.icmp_signed("==", groups, ir.Constant(groups.type, n))):
+            emit(n)
+
+
+def _transposed(builder, rows):
+    """The 16 x 16 transpose of 16 <16 x i32> rows: out[k][n] = rows[n][k]. Four rounds, each
+    swapping one bit of the row index with the same bit of the lane index by two-source
+    shuffles of row pairs (64 shuffles in all)."""
+    for bit in (1, 2, 4, 8):
+        low = [m if not m & bit else ROWS + m - bit for m in range(ROWS)]
+        high = [m + bit if not m & bit else ROWS + m for m in range(ROWS)]
+        swapped = list(rows)
+        for v in range(ROWS):
+            if not v & bit:
+                a, b = rows[v], rows[v | bit]
+                swapped[v] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, ROWS), low))
+                swapped[v | bit] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, ROWS), high))
+        rows = swapped
+    return rows
+
+
+@intrinsic
+def transpose_keys(typingctx, keys, key_step, chunks, out):
+    """16 key rows in the score tiles' B layout: out holds ``chunks`` tiles of 16 x 16 words,
+    word (k, n) of tile c being dims 32c + 2k and 32c + 2k + 1 of key n (low, high 16 bits).
+
+    keys : key 0's first dim (bfloat16, key_step bytes per key); by vector shuffles, 16 rows of
+    a chunk at a time (moving the words one by one took ~25% of prefill's time).
+    """
+    signature = types.void(keys, key_step, chunks, out)
+
+    def codegen(context, builder, sig, args):
+        keys, key_step, chunks, out = args
+        vector = ir.VectorType(_I32, ROWS)
+        with cgutils.for_range(builder, chunks) as loop:
+            chunk = builder.add(keys, builder.mul(loop.index, _i64(ROW_BYTES)))
+            rows = []
+            for n in range(ROWS):
+                address = builder.add(chunk, builder.mul(key_step, _i64(n)))
+                rows.append(builder.load(builder.inttoptr(address, vector.as_pointer()), align=2))
+            tile = builder.add(out, builder.mul(loop.index, _i64(TILE_BYTES)))
+            for k, row in enumerate(_transposed(builder, rows)):
+                address = builder.add(tile, _i64(k * ROW_BYTES))
+                builder.store(row, builder.inttoptr(address, vector.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def score_tiles(typingctx, queries, query_step, keys_t, groups, chunks, out, out_step):
+    """out[16g + r, t] = queries[16g + r] . key t, for ``groups`` (1-4) groups of 16 query rows
+    and 16 keys (float32, out_step bytes per row).
+
+    queries : the first query row (bfloat16, query_step bytes per row); keys_t : the 16 keys in
+    B's layout, ``chunks`` (head_dim / 32) tiles of 16 rows x 64 bytes one after another.
+    """
+    signature = types.void(queries, query_step, keys_t, groups, chunks, out, out_step)
+
+    def codegen(context, builder, sig, args):
+        queries, query_step, keys_t, groups, chunks, out, out_step = args
+        group_bytes = builder.mul(query_step, _i64(ROWS))
+
+        def emit(n):
+            for g in range(n):
+                _asm(builder, f"tilezero %tmm{4 + g}")
+            with cgutils.for_range(builder, chunks) as loop:
+                keys = builder.add(keys_t, builder.mul(loop.index, _i64(TILE_BYTES)))
+                _asm(builder, "tileloadd ($0,$1,1), %tmm1", keys, _i64(ROW_BYTES))
+                dims = builder.add(queries, builder.mul(loop.index, _i64(ROW_BYTES)))
+                for g in range(n):
+                    a = 0 if g % 2 == 0 else 2  # two A registers: a load need not wait for the last product
+                    rows = builder.add(dims, builder.mul(group_bytes, _i64(g)))
+                    _asm(builder, f"tileloadd ($0,$1,1), %tmm{a}", rows, query_step)
+                    _product(builder, 4 + g, a, 1)
+            out_group = builder.mul(out_step, _i64(ROWS))
+            for g in range(n):
+                _asm(builder, f"tilestored %tmm{4 + g}, ($0,$1,1)",
+                     builder.add(out, builder.mul(out_group, _i64(g))), out_step)
+
+        _groups_switch(builder, groups, emit)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def load_sums(typingctx, acc, acc_step, two):
+    """Load the value sums of 16 rows x one chunk of 32 dims (tiles 4, 5), and the next chunk's
+    (tiles 6, 7) if ``two``: acc is the first row's chunk (float32, acc_step bytes per row)."""
+    return types.void(acc, acc_step, two), _move_sums("tileloadd ($0,$1,1), %tmm{}")
+
+
+@intrinsic
+def store_sums(typingctx, acc, acc_step, two):
+    """Store what :func:`load_sums` loaded, back where it came from."""
+    return types.void(acc, acc_step, two), _move_sums("tilestored %tmm{}, ($0,$1,1)")
+
+
+def _move_sums(text):
+    def codegen(context, builder, sig, args):
+        acc, acc_step, two = args
+        for tile, offset in ((4, 0), (5, ROW_BYTES)):
+            _asm(builder, text.format(tile), builder.add(acc, _i64(offset)), acc_step)
+        with builder.if_then(builder.icmp_unsigned("!=", two, ir.Constant(two.type, 0))):
+            for tile, offset in ((6, 2 * ROW_BYTES), (7, 3 * ROW_BYTES)):
+                _asm(builder, text.format(tile), builder.add(acc, _i64(offset)), acc_step)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def accumulate(typingctx, probs, prob_step, values, value_step, two):
+    """Sums of :func:`load_sums` += p x v for 16 rows, 16 tokens and one chunk of 32 dims (two
+    if ``two``).
+
+    probs : row 0's 16 probabilities spread to odd bfloat16 slots (the even ones 0; one slot
+    past the 16th read too), prob_step bytes per row; values : token 0's first dim of the chunk
+    (bfloat16, value_step bytes per token).
+    """
+    signature = types.void(probs, prob_step, values, value_step, two)
+
+    def codegen(context, builder, sig, args):
+        probs, prob_step, values, value_step, two = args
+        _asm(builder, "tileloadd ($0,$1,1), %tmm0", builder.add(probs, _i64(2)), prob_step)  # even
+        _asm(builder, "tileloadd ($0,$1,1), %tmm1", probs, prob_step)  # odd
+        _asm(builder, "tileloadd ($0,$1,1), %tmm2", values, value_step)
+        with builder.if_then(builder.icmp_unsigned("!=", two, ir.Constant(two.type, 0))):
+            _asm(builder, "tileloadd ($0,$1,1), %tmm3", builder.add(values, _i64(ROW_BYTES)), value_step)
+            _product(builder, 6, 0, 3)
+            _product(builder, 7, 1, 3)
+        _product(builder, 4, 0, 2)
+        _product(builder, 5, 1, 2)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@njit(cache=True, nogil=True)
+def tile_config():
+    """The 64-byte tile configuration: palette 1, eight tiles of 16 rows x 64 bytes."""
+    config = np.zeros(CONFIG_BYTES, np.uint8)
+    config[0] = 1
+    row_bytes = config[16:48].view(np.uint16)
+    for tile in range(8):
+        row_bytes[tile] = ROW_BYTES
+        config[48 + tile] = ROWS
+    return config
+
+
+@njit(cache=True, nogil=True, inline="always")
+def acc_dim(j):
+    """The dimension that position j of an accumulator row holds: in each 32, the 16 even
+    dims, then the 16 odd ones (:func:`accumulate`'s two tiles)."""
+    base, k = j - j % CHUNK, j % CHUNK
+    return base + 2 * k if k < CHUNK // 2 else base + 2 * (k - CHUNK // 2) + 1

@@ -1,0 +1,181 @@
+"""Paged prefill attention over bfloat16 pages by Intel AMX tiles (kernels/_amx.py).
+
+The same work as :func:`pagekv.kernels.attention.prefill` — the same work items (one KV head of
+one sequence for a block of 16 query tokens, a GQA group's heads together), causal and window
+masks, chunked online softmax and prefetches — with the products by AMX tiles. The item's query
+rows are taken in groups of 16 (the last group padded with zero rows); per 16 keys of a page:
+
+- scores: the keys are turned into B's layout (pairs of dims; :func:`_amx.transpose_keys`), then one
+  tile product per 32 dims and row group gives 16 x 16 scores (:func:`_amx.score_tiles`);
+- values: per row group and pair of 32-dim chunks, the sums stay in tiles across all pages of a
+  softmax chunk (:func:`_amx.load_sums`, :func:`_amx.accumulate`, :func:`_amx.store_sums`).
+
+What is rounded is what the ``vdpbf16ps`` path rounds (the query and the probabilities, once each,
+to bfloat16; products exact, sums float32), so results agree with it to the order of float32 sums.
+
+Taken when the CPU has AMX-BF16 (:data:`pagekv.kernels._amx.AVAILABLE`), the cache is bfloat16,
+``fast_bf16`` is on, head_dim is a multiple of 32 and the page size a multiple of 16
+(:func:`applies`); otherwise the ``vdpbf16ps`` kernel runs.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from pagekv.kernels import _amx
+from pagekv.kernels import _bf16_dot as bf16
+from pagekv.kernels._dtypes import FORMAT_BFLOAT16
+from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _block_ahead, _slot_scratch,
+                                      _softmax_update, _start_row)
+from pagekv.kernels.prefetch import block_address, prefetch_rows
+
+ROWS, CHUNK = _amx.ROWS, _amx.CHUNK
+
+
+def applies(k_cache, kv_format, dot_products):
+    """Whether :func:`prefill` serves this call (else the ``vdpbf16ps`` kernel does)."""
+    page_size, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return bool(_amx.AVAILABLE and dot_products and kv_format == FORMAT_BFLOAT16
+                and head_dim % CHUNK == 0 and page_size % ROWS == 0)
+
+
+@njit(**_JIT)
+def _scale(scores, num_rows, num_cols, scale):
+    """scores[:num_rows, :num_cols] *= scale: the tiles multiply unscaled bfloat16 queries, so a
+    bfloat16 query stays exact (as in the ``vdpbf16ps`` tiles, which scale their sums)."""
+    for r in range(num_rows):
+        for t in range(num_cols):
+            scores[r, t] *= scale
+
+
+@njit(**_JIT)
+def _spread(scores, num_rows, num_cols, spread):
+    """Probabilities to bfloat16 in the high half of each word of ``spread`` (the low half 0):
+    as 16-bit slots, 0, p[r, 0], 0, p[r, 1], ... (the odd slots); 0 for the columns past
+    num_cols up to the next multiple of 16.
+
+    scores : float32 [rows, cols]; spread : uint32 [rows, cols + 1], its last word 0.
+    """
+    padded = min(-(-num_cols // ROWS) * ROWS, scores.shape[1])
+    for r in range(num_rows):
+        for t in range(num_cols):
+            spread[r, t] = np.uint32(bf16.to_bf16(scores[r, t])) << np.uint32(16)
+        for t in range(num_cols, padded):
+            spread[r, t] = 0
+
+
+@njit(**_JIT)
+def _zero_padded(v_cache, page, head, t0, n, tail):
+    """tail[:n] = value rows t0 .. t0 + n - 1 of block (page, head), tail[n:] = 0: a page's rows
+    past seq_len may hold anything, NaN included, and 0 x NaN would spoil the sums."""
+    for i in range(ROWS):
+        for d in range(tail.shape[1]):
+            tail[i, d] = v_cache[page, head, t0 + i, d] if i < n else 0
+
+
+@njit(inline="always", **_JIT)
+def _finish_row(acc_row, m_r, l_r, out_row):
+    """Write acc / l to out_row in order (the sums hold :func:`_amx.acc_dim`'s order) and return
+    the row's log-sum-exp (-inf and zeros if nothing attended)."""
+    if l_r == 0.0:
+        out_row[:] = 0.0
+        return -np.inf
+    inv = np.float32(1.0) / l_r
+    for j in range(acc_row.shape[0]):
+        out_row[_amx.acc_dim(j)] = acc_row[j] * inv
+    return m_r + np.log(l_r)
+
+
+@njit(parallel=True, **_JIT)
+def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_indptr, scale, window,
+            soft_cap, alibi_slopes, out, lse, prefetch_blocks):
+    """:func:`pagekv.kernels.attention.prefill` for bfloat16 pages by AMX tiles (same arguments,
+    without kv_format and dot_products); see :func:`applies` for the shapes it takes."""
+    num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    chunks = head_dim // CHUNK
+    padded_rows = -(-QUERY_BLOCK * group // ROWS) * ROWS
+    chunk_pages = max(1, CHUNK_TOKENS // page_size)
+    cols = chunk_pages * page_size
+    row_bytes = k_cache.strides[2]
+    for slot in prange(slot_indptr.shape[0] - 1):
+        qs, acc, m, l, qpos, scores = _slot_scratch(padded_rows, cols, head_dim)
+        q_bits = np.zeros((padded_rows, head_dim), np.uint16)
+        spread = np.zeros((padded_rows, cols + 1), np.uint32)
+        keys_t = np.empty((chunks, ROWS, ROWS), np.uint32)
+        tail = np.zeros((ROWS, head_dim), np.uint16)
+        slopes = np.empty(padded_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
+        q_step, s_step, p_step, a_step = q_bits.strides[0], scores.strides[0], spread.strides[0], acc.strides[0]
+        config = _amx.tile_config()
+        _amx.configure(config.ctypes.data)
+        for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
+            seq, head, row_begin, row_end = items[item]
+            seq_len = seq_lens[seq]
+            first_pos = seq_len - (qo_indptr[seq + 1] - qo_indptr[seq])
+            num_rows = (row_end - row_begin) * group
+            groups = -(-num_rows // ROWS)
+            for i in range(row_end - row_begin):
+                for g in range(group):
+                    r = i * group + g
+                    _start_row(q, row_begin + i, head * group + g, r, scale, True, qs, q_bits, acc, m, l)
+                    qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
+                    if slopes.shape[0] > 0:
+                        slopes[r] = alibi_slopes[head * group + g]
+            q_bits[num_rows:groups * ROWS] = 0  # a last group's padding: zero queries, zero probabilities
+            spread[num_rows:groups * ROWS] = 0
+            low, high = qpos[0], qpos[num_rows - 1]
+            page_begin = max(low - window + 1, 0) // page_size if window > 0 else 0
+            page_end = high // page_size + 1
+            for first in range(page_begin, page_end, chunk_pages):
+                last = min(first + chunk_pages, page_end)
+                key0 = first * page_size
+                num_cols = min((last - first) * page_size, seq_len - key0)
+                for p in range(first, last):
+                    in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
+                                                    chunk_pages, False, prefetch_blocks)
+                    prefetch_rows(block_address(v_cache if in_v else k_cache, pf_page, head), row_bytes,
+                                  0, page_size)
+                    num_tokens = min(page_size, seq_len - p * page_size)
+                    for t0 in range(0, num_tokens, ROWS):
+                        _amx.transpose_keys(block_address(k_cache, block_table[seq, p], head) + t0 * row_bytes,
+                                            row_bytes, chunks, keys_t.ctypes.data)
+                        col = (p - first) * page_size + t0
+                        for g0 in range(0, groups, _amx.GROUPS):
+                            _amx.score_tiles(q_bits.ctypes.data + g0 * ROWS * q_step, q_step,
+                                             keys_t.ctypes.data, min(_amx.GROUPS, groups - g0), chunks,
+                                             scores.ctypes.data + g0 * ROWS * s_step + col * 4, s_step)
+                _scale(scores, num_rows, num_cols, scale)
+                masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
+                _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
+                                slopes, m, l, acc)
+                _spread(scores, num_rows, num_cols, spread)
+                last_tokens = min(page_size, seq_len - (last - 1) * page_size)
+                if last_tokens % ROWS:  # the sequence's last page ends inside a tile
+                    _zero_padded(v_cache, block_table[seq, last - 1], head, last_tokens - last_tokens % ROWS,
+                                 last_tokens % ROWS, tail)
+                for g in range(groups):
+                    for c0 in range(0, chunks, 2):
+                        two = c0 + 1 < chunks
+                        sums = acc.ctypes.data + g * ROWS * a_step + c0 * CHUNK * 4
+                        _amx.load_sums(sums, a_step, two)
+                        for p in range(first, last):
+                            in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last,
+                                                            page_end, chunk_pages, True, prefetch_blocks)
+                            if g == 0 and c0 == 0:
+                                prefetch_rows(block_address(v_cache if in_v else k_cache, pf_page, head),
+                                              row_bytes, 0, page_size)
+                            values = block_address(v_cache, block_table[seq, p], head)
+                            num_tokens = min(page_size, seq_len - p * page_size)
+                            for t0 in range(0, num_tokens, ROWS):
+                                rows, step = values + t0 * row_bytes, row_bytes
+                                if num_tokens - t0 < ROWS:
+                                    rows, step = np.int64(tail.ctypes.data), tail.strides[0]
+                                col = (p - first) * page_size + t0
+                                _amx.accumulate(spread.ctypes.data + g * ROWS * p_step + col * 4, p_step,
+                                                rows + c0 * CHUNK * 2, step, two)
+                        _amx.store_sums(sums, a_step, two)
+            for i in range(row_end - row_begin):
+                for g in range(group):
+                    r = i * group + g
+                    lse[row_begin + i, head * group + g] = _finish_row(
+                        acc[r], m[r], l[r], out[row_begin + i, head * group + g])
+        _amx.release()
