@@ -1,0 +1,135 @@
+"""The AMX prefill kernel (kernels/amx_attention.py) on CPUs with AMX-BF16; skipped elsewhere.
+
+Where it runs, test_attention.py's prefill tests take it too (bfloat16 pages, head_dim a multiple
+of 32, page size a multiple of 16); these tests pin its pieces and compare it with the
+``vdpbf16ps`` kernel, which rounds the same inputs the same way, on the shapes that reach every
+branch: 1-8 row groups (past the four a key tile feeds at once), an odd number of 32-dim chunks,
+pages of 16-256 tokens ending mid-tile, and rows past a sequence's end holding NaN.
+"""
+
+import numpy as np
+import pytest
+from numba import njit
+
+from kv_builders import FAST_BF16_TOLERANCE, PagedKV, relative_error, to_storage, widen
+from pagekv import attention
+from pagekv.kernels import _amx, amx_attention
+from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT32
+from pagekv.reference import attention as reference
+
+pytestmark = pytest.mark.skipif(not _amx.AVAILABLE, reason="this CPU (or kernel) gives no AMX-BF16")
+
+
+@njit
+def _transpose(keys, out):
+    _amx.transpose_keys(keys.ctypes.data, keys.strides[0], out.shape[0], out.ctypes.data)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_transpose_keys_pairs_dims_by_key(head_dim):
+    rng = np.random.default_rng(head_dim)
+    keys = rng.integers(0, 2**16, (16, head_dim), dtype=np.uint16)
+    out = np.zeros((head_dim // 32, 16, 16), np.uint32)
+    _transpose(keys, out)
+    words = keys.view(np.uint32)  # word j of key n: dims 2j (low half), 2j + 1 (high half)
+    expected = words.reshape(16, head_dim // 32, 16).transpose(1, 2, 0)  # [chunk, k, n]
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_acc_dim_lists_even_then_odd_dims_of_each_chunk():
+    order = [_amx.acc_dim(j) for j in range(96)]
+    for base in (0, 32, 64):
+        assert order[base:base + 16] == list(range(base, base + 32, 2))
+        assert order[base + 16:base + 32] == list(range(base + 1, base + 32, 2))
+
+
+@njit
+def _one_tile(queries, keys_t, scores, probs, values, acc):
+    config = _amx.tile_config()
+    _amx.configure(config.ctypes.data)
+    groups = queries.shape[0] // 16
+    _amx.score_tiles(queries.ctypes.data, queries.strides[0], keys_t.ctypes.data, groups,
+                     keys_t.shape[0], scores.ctypes.data, scores.strides[0])
+    _amx.load_sums(acc.ctypes.data, acc.strides[0], True)
+    _amx.accumulate(probs.ctypes.data, probs.strides[0], values.ctypes.data, values.strides[0], True)
+    _amx.store_sums(acc.ctypes.data, acc.strides[0], True)
+    _amx.release()
+
+
+@pytest.mark.parametrize("groups", [1, 3, 4])
+def test_tiles_multiply_as_numpy(groups):
+    """Scores of 16-64 query rows x 16 keys; value sums of 16 rows x 16 tokens x 64 dims, added to
+    what the sums held (bfloat16 products are exact in float32: only the order of sums differs)."""
+    rng = np.random.default_rng(groups)
+    queries = to_storage(rng.standard_normal((16 * groups, 64)), "bfloat16")
+    keys = to_storage(rng.standard_normal((16, 64)), "bfloat16")
+    keys_t = np.zeros((2, 16, 16), np.uint32)
+    _transpose(keys, keys_t)
+    scores = np.zeros((16 * groups, 20), np.float32)
+    p = to_storage(rng.random((16, 16)), "bfloat16")
+    probs = np.zeros((16, 17), np.uint32)
+    probs[:, :16] = p.astype(np.uint32) << 16
+    values = to_storage(rng.standard_normal((16, 64)), "bfloat16")
+    acc = rng.standard_normal((16, 64)).astype(np.float32)
+    before = acc.copy()
+    _one_tile(queries, keys_t, scores, probs, values, acc)
+    f = lambda bits: widen(bits, "bfloat16")  # noqa: E731
+    np.testing.assert_allclose(scores[:, :16], f(queries) @ f(keys).T, rtol=1e-5, atol=1e-4)
+    order = [_amx.acc_dim(j) for j in range(64)]
+    expected = before.astype(np.float64)
+    expected[:, :] += (f(p) @ f(values))[:, order]
+    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_applies_to_the_shapes_it_takes_only():
+    def cache(page_size, head_dim):
+        return np.zeros((2, 1, page_size, head_dim), np.uint16)
+
+    assert amx_attention.applies(cache(16, 128), FORMAT_BFLOAT16, True)
+    assert amx_attention.applies(cache(256, 64), FORMAT_BFLOAT16, True)
+    assert not amx_attention.applies(cache(16, 128), FORMAT_BFLOAT16, False)  # fast_bf16=False
+    assert not amx_attention.applies(cache(16, 80), FORMAT_BFLOAT16, True)
+    assert not amx_attention.applies(cache(8, 128), FORMAT_BFLOAT16, True)
+    assert not amx_attention.applies(np.zeros((2, 1, 16, 128), np.float32), FORMAT_FLOAT32, True)
+
+
+def _vdpbf16ps_prefill(monkeypatch, *args, **options):
+    with monkeypatch.context() as patch:
+        patch.setattr(amx_attention, "applies", lambda *a: False)
+        return attention.paged_prefill_attention(*args, **options)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("page_size, head_dim", [(16, 128), (32, 96), (256, 64), (16, 256)])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "logits_soft_cap": 30.0},
+                                     {"alibi_slopes": True, "scale": 0.05}])
+def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, group, page_size,
+                                                                head_dim, options):
+    rng = np.random.default_rng(group * page_size + head_dim)
+    seq_lens = [1, 17, 63, 64, 97, 300]
+    kv = PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                 kind="bfloat16")
+    for s, n in enumerate(seq_lens):  # rows past each sequence's end: NaN, never to be read
+        if n % page_size:
+            kv.k[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+            kv.v[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+    q_lens = [1, 17, 40, 64, 33, 129]
+    qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_q_heads = 2 * group
+    q = rng.standard_normal((qo_indptr[-1], num_q_heads, head_dim)).astype(np.float32)
+    options = dict(options)
+    if options.pop("alibi_slopes", False):
+        options["alibi_slopes"] = (2.0 ** -np.arange(1, num_q_heads + 1)).astype(np.float32)
+    args = (q, kv.k, kv.v, kv.block_table, kv.seq_lens, qo_indptr)
+    out, lse = attention.paged_prefill_attention(*args, return_lse=True, **options)
+    twin_out, twin_lse = _vdpbf16ps_prefill(monkeypatch, *args, return_lse=True, **options)
+    assert np.isfinite(out).all()
+    # Scores summed in another order can round a probability to the other bfloat16 neighbour:
+    # one such flip moves an output by up to p * 2^-8 of a value row (measured: 2.5e-5 here).
+    assert relative_error(out, twin_out) <= 1e-3
+    np.testing.assert_allclose(lse, twin_lse, rtol=1e-5, atol=1e-5)
+    q_rounded = widen(to_storage(q, "bfloat16"), "bfloat16")
+    expected, expected_lse = reference.prefill(q_rounded, kv.k64, kv.v64, kv.block_table, kv.seq_lens,
+                                               qo_indptr, **options)
+    assert relative_error(out, expected) <= FAST_BF16_TOLERANCE
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
