@@ -31,6 +31,7 @@ Every tile is 16 rows x 64 bytes (16 float32 or 32 bfloat16):
 
 import ctypes
 import os
+import sys
 
 import llvmlite.binding as llvm  # type: ignore[import-untyped]
 import numpy as np
@@ -48,7 +49,7 @@ CONFIG_BYTES = 64
 
 _ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask Linux for an extended-state component
 _XFEATURE_XTILEDATA = 18
-_SYS_ARCH_PRCTL = 158  # x86-64
+_SYS_ARCH_PRCTL = 158  # x86-64 (AMX is x86-64 only, so the CPU check comes first)
 
 
 def _tile_data_permitted():
@@ -62,12 +63,10 @@ def _tile_data_permitted():
 
 
 def _available():
-    if os.environ.get("PAGEKV_AMX", "1") == "0":
+    if os.environ.get("PAGEKV_AMX", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     features = llvm.get_host_cpu_features()
-    if not (features.get("amx-tile") and features.get("amx-bf16")):
-        return False
-    return os.uname().machine == "x86_64" and _tile_data_permitted()
+    return bool(features.get("amx-tile") and features.get("amx-bf16") and _tile_data_permitted())
 
 
 # Whether the bfloat16 kernels may take AMX tiles: the CPU has AMX-BF16, Linux granted the tile
