@@ -4,7 +4,8 @@ Where it runs, test_attention.py's prefill tests take it too (bfloat16 pages, he
 of 32, page size a multiple of 16); these tests pin its pieces and compare it with the
 ``vdpbf16ps`` kernel, which rounds the same inputs the same way, on the shapes that reach every
 branch: 1-8 row groups (past the four a key tile feeds at once), an odd number of 32-dim chunks,
-pages of 16-256 tokens ending mid-tile, and rows past a sequence's end holding NaN.
+pages of 16-256 tokens ending mid-tile, rows past a sequence's end holding NaN, and softmax
+chunks with and without masks (two code paths).
 """
 
 import numpy as np
@@ -106,14 +107,14 @@ def _vdpbf16ps_prefill(monkeypatch, *args, **options):
 def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, group, page_size,
                                                                 head_dim, options):
     rng = np.random.default_rng(group * page_size + head_dim)
-    seq_lens = [1, 17, 63, 64, 97, 300]
+    seq_lens = [1, 17, 63, 64, 97, 300, 600]  # 600: whole chunks before the first query (unmasked)
     kv = PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
                  kind="bfloat16")
     for s, n in enumerate(seq_lens):  # rows past each sequence's end: NaN, never to be read
         if n % page_size:
             kv.k[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
             kv.v[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
-    q_lens = [1, 17, 40, 64, 33, 129]
+    q_lens = [1, 17, 40, 64, 33, 129, 40]
     qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_q_heads = 2 * group
     q = rng.standard_normal((qo_indptr[-1], num_q_heads, head_dim)).astype(np.float32)
@@ -124,9 +125,10 @@ def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, gro
     out, lse = attention.paged_prefill_attention(*args, return_lse=True, **options)
     twin_out, twin_lse = _vdpbf16ps_prefill(monkeypatch, *args, return_lse=True, **options)
     assert np.isfinite(out).all()
-    # Scores summed in another order can round a probability to the other bfloat16 neighbour:
-    # one such flip moves an output by up to p * 2^-8 of a value row (measured: 2.5e-5 here).
-    assert relative_error(out, twin_out) <= 1e-3
+    # Scores summed in another order can round a probability to its other bfloat16 neighbour:
+    # one such flip moves an output by up to p * 2^-8 of a value row, so up to ~4e-3 where one
+    # key takes nearly all the weight (measured: 2.5e-5 typical, 1.9e-3 with ALiBi at scale 0.05).
+    assert relative_error(out, twin_out) <= 2.0**-8
     np.testing.assert_allclose(lse, twin_lse, rtol=1e-5, atol=1e-5)
     q_rounded = widen(to_storage(q, "bfloat16"), "bfloat16")
     expected, expected_lse = reference.prefill(q_rounded, kv.k64, kv.v64, kv.block_table, kv.seq_lens,
