@@ -37,7 +37,8 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
@@ -261,6 +262,45 @@ _TILED = {kind: _tiled_loops(kind) for kind in ("float32", "float16", "bfloat16"
 _PREFILL_TILED = dict(_TILED, bfloat16=_tiled_loops("bfloat16", inline=False))
 # The storage kind of each kv_format (kernels/_dtypes.py): one decode and one prefill kernel each.
 _KINDS = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16"}
+_KIND_OF_DTYPE = {types.float32: "float32", types.float16: "float16", types.uint16: "bfloat16"}
+
+
+def _by_storage(loops):
+    """Stand-ins for the tile loops ``loops[kind]`` (scores, values) that the kernels call: each
+    becomes the loop of its cache argument's storage kind when a kernel compiles.
+
+    Why not the loops themselves in each kernel's closure: Numba keys a cached closure on its
+    pickled cells, and a pickled dispatcher carries a random id drawn anew in every process, so
+    no process ever found the decode and prefill kernels in the on-disk cache: ``warmup()``
+    recompiled them every time (29-45 s, against ~1 s with the cache; measured on the Intel VM).
+    """
+    def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        raise NotImplementedError("called by the compiled kernels only")
+
+    def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        raise NotImplementedError("called by the compiled kernels only")
+
+    @overload(page_scores, inline="always")
+    def _scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        loop = loops[_KIND_OF_DTYPE[kc.dtype]][0]
+
+        def impl(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+            loop(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again)
+        return impl
+
+    @overload(page_accumulate, inline="always")
+    def _values(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        loop = loops[_KIND_OF_DTYPE[vc.dtype]][1]
+
+        def impl(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+            loop(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again)
+        return impl
+
+    return page_scores, page_accumulate
+
+
+_DECODE_SCORES, _DECODE_VALUES = _by_storage(_TILED)
+_PREFILL_SCORES, _PREFILL_VALUES = _by_storage(_PREFILL_TILED)
 
 
 @njit(inline="always", **_JIT)
@@ -437,7 +477,6 @@ def _decode_kernel(kind):
     paired rounds: 0.99-1.02x the time).
     """
     fma = kind != "bfloat16"  # FMA tiles: the queries are scaled float32, the probabilities float32
-    page_scores, page_accumulate = _TILED[kind]
 
     @njit(parallel=True, **_JIT)
     def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
@@ -480,11 +519,11 @@ def _decode_kernel(kind):
                                 _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
                                              num_tokens, scores, (p - first) * page_size, ahead)
                             elif fma:  # the queries are scaled already
-                                page_scores(qs, head * group, group, k_cache, page, head,
+                                _DECODE_SCORES(qs, head * group, group, k_cache, page, head,
                                             num_tokens, np.float32(1.0), scores,
                                             (p - first) * page_size, ahead, again)
                             else:
-                                page_scores(q_bits, head * group, group, k_cache, page, head,
+                                _DECODE_SCORES(q_bits, head * group, group, k_cache, page, head,
                                             num_tokens, scale, scores, (p - first) * page_size,
                                             ahead, again)
                     masked = window > 0 and key0 <= seq_len - 1 - window
@@ -503,10 +542,10 @@ def _decode_kernel(kind):
                                 _page_accumulate(scores, head * group, group, (p - first) * page_size,
                                                  v_cache, page, head, kv_format, num_tokens, acc, ahead)
                             elif fma:
-                                page_accumulate(scores, head * group, group, (p - first) * page_size,
+                                _DECODE_VALUES(scores, head * group, group, (p - first) * page_size,
                                                 v_cache, page, head, num_tokens, acc, ahead, again)
                             else:
-                                page_accumulate(packed, head * group, group, (p - first) * page_size,
+                                _DECODE_VALUES(packed, head * group, group, (p - first) * page_size,
                                                 v_cache, page, head, num_tokens, acc, ahead, again)
                 for h in range(num_q_heads):
                     if part < 0:
@@ -580,7 +619,6 @@ def _prefill_kernel(kind):
     cold compile of prefill took 21-22 s per storage with both kinds of tiles in one kernel,
     12-15 s since; its speed was unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
     fma = kind != "bfloat16"
-    page_scores, page_accumulate = _PREFILL_TILED[kind]
 
     @njit(parallel=True, **_JIT)
     def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
@@ -628,11 +666,11 @@ def _prefill_kernel(kind):
                             _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
                                          num_tokens, scores, (p - first) * page_size, ahead)
                         elif fma:
-                            page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head,
+                            _PREFILL_SCORES(qs, 0, num_rows, k_cache, block_table[seq, p], head,
                                         num_tokens, np.float32(1.0), scores, (p - first) * page_size,
                                         ahead, 0)
                         else:
-                            page_scores(q_bits, 0, num_rows, k_cache, block_table[seq, p],
+                            _PREFILL_SCORES(q_bits, 0, num_rows, k_cache, block_table[seq, p],
                                         head, num_tokens, scale, scores,
                                         (p - first) * page_size, ahead, 0)
                     masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
@@ -649,10 +687,10 @@ def _prefill_kernel(kind):
                             _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
                                              block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
                         elif fma:
-                            page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                            _PREFILL_VALUES(scores, 0, num_rows, (p - first) * page_size, v_cache,
                                             block_table[seq, p], head, num_tokens, acc, ahead, 0)
                         else:
-                            page_accumulate(packed, 0, num_rows, (p - first) * page_size,
+                            _PREFILL_VALUES(packed, 0, num_rows, (p - first) * page_size,
                                             v_cache, block_table[seq, p], head, num_tokens,
                                             acc, ahead, 0)
                 for i in range(row_end - row_begin):

@@ -1,6 +1,21 @@
-"""Numba's kernel cache is emptied when any kernel source changes (Numba itself would not notice)."""
+"""Numba's kernel cache: emptied when any kernel source changes (Numba itself would not notice),
+and found again by every new process."""
+
+import subprocess
+import sys
 
 from pagekv.kernels._stale_cache import STAMP, drop_stale_cache, sources_digest
+
+# What Numba keys a cached closure on besides its bytecode: the pickled contents of its cells.
+_CLOSURE_KEYS = """
+import hashlib
+from numba.core.serialize import dumps
+from pagekv.kernels import attention
+for kernels in (attention._DECODE, attention._PREFILL):
+    for kv_format, kernel in sorted(kernels.items()):
+        cells = tuple(cell.cell_contents for cell in kernel.py_func.__closure__ or ())
+        print(kv_format, hashlib.sha256(dumps(cells)).hexdigest())
+"""
 
 
 def test_cache_is_dropped_when_a_source_changes_and_kept_otherwise(tmp_path):
@@ -20,3 +35,11 @@ def test_cache_is_dropped_when_a_source_changes_and_kept_otherwise(tmp_path):
     assert drop_stale_cache(sources, cache)
     assert not (cache / "attention.decode-1.py311.nbi").exists()
     assert (cache / STAMP).read_text() == sources_digest(sources)
+
+
+def test_every_process_computes_the_same_cache_keys_for_the_kernels():
+    """A kernel whose closure held a dispatcher (pickled with a random id per process) was never
+    found in the on-disk cache: warmup() recompiled decode and prefill in every process."""
+    keys = [subprocess.run([sys.executable, "-c", _CLOSURE_KEYS], capture_output=True, text=True,
+                           check=True).stdout for _ in range(2)]
+    assert keys[0] == keys[1] and keys[0].count("\n") == 6
