@@ -24,8 +24,8 @@ from numba import njit, prange
 from pagekv.kernels import _amx
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
-from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _block_ahead, _slot_scratch,
-                                      _softmax_update, _start_row)
+from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _prefill_ahead, _slot_scratch,
+                                      _softmax_update, _start_item)
 from pagekv.kernels.prefetch import block_address, prefetch_rows
 
 ROWS, CHUNK = _amx.ROWS, _amx.CHUNK
@@ -104,40 +104,31 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
         keys_t = np.empty((chunks, ROWS, ROWS), np.uint32)
         tail = np.zeros((ROWS, head_dim), np.uint16)
         slopes = np.empty(padded_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
-        q_step, s_step, p_step, a_step = q_bits.strides[0], scores.strides[0], spread.strides[0], acc.strides[0]
+        q_step, s_step = q_bits.strides[0], scores.strides[0]
+        p_step, a_step = spread.strides[0], acc.strides[0]
         config = _amx.tile_config()
         _amx.configure(config.ctypes.data)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, head, row_begin, row_end = items[item]
             seq_len = seq_lens[seq]
-            first_pos = seq_len - (qo_indptr[seq + 1] - qo_indptr[seq])
-            num_rows = (row_end - row_begin) * group
+            num_rows, low, high, page_begin, page_end = _start_item(
+                q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window, scale,
+                True, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
             groups = -(-num_rows // ROWS)
-            for i in range(row_end - row_begin):
-                for g in range(group):
-                    r = i * group + g
-                    _start_row(q, row_begin + i, head * group + g, r, scale, True, qs, q_bits, acc, m, l)
-                    qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
-                    if slopes.shape[0] > 0:
-                        slopes[r] = alibi_slopes[head * group + g]
             q_bits[num_rows:groups * ROWS] = 0  # a last group's padding: zero queries, zero probabilities
             spread[num_rows:groups * ROWS] = 0
-            low, high = qpos[0], qpos[num_rows - 1]
-            page_begin = max(low - window + 1, 0) // page_size if window > 0 else 0
-            page_end = high // page_size + 1
             for first in range(page_begin, page_end, chunk_pages):
                 last = min(first + chunk_pages, page_end)
                 key0 = first * page_size
                 num_cols = min((last - first) * page_size, seq_len - key0)
                 for p in range(first, last):
-                    in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
-                                                    chunk_pages, False, prefetch_blocks)
-                    prefetch_rows(block_address(v_cache if in_v else k_cache, pf_page, head), row_bytes,
-                                  0, page_size)
+                    prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
+                                                 page_end, chunk_pages, False, prefetch_blocks),
+                                  row_bytes, 0, page_size)
                     num_tokens = min(page_size, seq_len - p * page_size)
                     for t0 in range(0, num_tokens, ROWS):
-                        _amx.transpose_keys(block_address(k_cache, block_table[seq, p], head) + t0 * row_bytes,
-                                            row_bytes, chunks, keys_t.ctypes.data)
+                        keys = block_address(k_cache, block_table[seq, p], head) + t0 * row_bytes
+                        _amx.transpose_keys(keys, row_bytes, chunks, keys_t.ctypes.data)
                         col = (p - first) * page_size + t0
                         for g0 in range(0, groups, _amx.GROUPS):
                             _amx.score_tiles(q_bits.ctypes.data + g0 * ROWS * q_step, q_step,
@@ -158,11 +149,10 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                         sums = acc.ctypes.data + g * ROWS * a_step + c0 * CHUNK * 4
                         _amx.load_sums(sums, a_step, two)
                         for p in range(first, last):
-                            in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last,
-                                                            page_end, chunk_pages, True, prefetch_blocks)
                             if g == 0 and c0 == 0:
-                                prefetch_rows(block_address(v_cache if in_v else k_cache, pf_page, head),
-                                              row_bytes, 0, page_size)
+                                prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head,
+                                                             first, last, page_end, chunk_pages, True,
+                                                             prefetch_blocks), row_bytes, 0, page_size)
                             values = block_address(v_cache, block_table[seq, p], head)
                             num_tokens = min(page_size, seq_len - p * page_size)
                             for t0 in range(0, num_tokens, ROWS):

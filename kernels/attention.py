@@ -262,37 +262,42 @@ _TILED = {kind: _tiled_loops(kind) for kind in ("float32", "float16", "bfloat16"
 _PREFILL_TILED = dict(_TILED, bfloat16=_tiled_loops("bfloat16", inline=False))
 # The storage kind of each kv_format (kernels/_dtypes.py): one decode and one prefill kernel each.
 _KINDS = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16"}
-_KIND_OF_DTYPE = {types.float32: "float32", types.float16: "float16", types.uint16: "bfloat16"}
-
 
 def _by_storage(loops):
-    """Stand-ins for the tile loops ``loops[kind]`` (scores, values) that the kernels call: each
-    becomes the loop of its cache argument's storage kind when a kernel compiles.
+    """Stand-ins for the tile loops ``loops[kind]`` (scores, values) that the kernels call with
+    their storage kind first (a compile-time constant): each becomes that kind's loop when a
+    kernel compiles.
 
     Why not the loops themselves in each kernel's closure: Numba keys a cached closure on its
     pickled cells, and a pickled dispatcher carries a random id drawn anew in every process, so
     no process ever found the decode and prefill kernels in the on-disk cache: ``warmup()``
-    recompiled them every time (29-45 s, against ~1 s with the cache; measured on the Intel VM).
+    recompiled them every time (29-45 s, against 0.3 s with the cache; measured on the Intel VM).
+    The kind is named, not read from the cache's dtype: float16 and bfloat16 pages are both
+    uint16 inside the kernels.
     """
-    def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+    def page_scores(kind, q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
         raise NotImplementedError("called by the compiled kernels only")
 
-    def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+    def page_accumulate(kind, probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
         raise NotImplementedError("called by the compiled kernels only")
 
-    @overload(page_scores, inline="always")
-    def _scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
-        loop = loops[_KIND_OF_DTYPE[kc.dtype]][0]
+    @overload(page_scores, prefer_literal=True, inline="always")
+    def _scores(kind, q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        if not isinstance(kind, types.StringLiteral):
+            return None
+        loop = loops[kind.literal_value][0]
 
-        def impl(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        def impl(kind, q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
             loop(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again)
         return impl
 
-    @overload(page_accumulate, inline="always")
-    def _values(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
-        loop = loops[_KIND_OF_DTYPE[vc.dtype]][1]
+    @overload(page_accumulate, prefer_literal=True, inline="always")
+    def _values(kind, probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        if not isinstance(kind, types.StringLiteral):
+            return None
+        loop = loops[kind.literal_value][1]
 
-        def impl(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        def impl(kind, probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
             loop(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again)
         return impl
 
@@ -326,6 +331,16 @@ def _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end, chunk
     if page >= last:
         return in_v, -1, 0
     return in_v, block_table[seq, page], index % num_heads
+
+
+@njit(inline="always", **_JIT)
+def _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last, page_end, chunk_pages,
+                   v_pass, distance):
+    """The address of the block to prefetch while a prefill item reads page p of its KV head (an
+    item's blocks are its head's pages: :func:`_block_ahead` with one head); 0: none."""
+    in_v, page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end, chunk_pages,
+                                 v_pass, distance)
+    return block_address(v_cache if in_v else k_cache, page, head)
 
 
 @njit(inline="always", **_JIT)
@@ -437,6 +452,26 @@ def _start_row(q, token, q_head, r, scale, dots, qs, q_bits, acc, m, l):
 
 
 @njit(inline="always", **_JIT)
+def _start_item(q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
+                scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes):
+    """Set up a prefill item's working rows (query token i of the item, head g of the group: row
+    i * group + g) with their query positions and ALiBi slopes (if any), and return (num_rows,
+    lowest and highest query position, first and end page the rows see)."""
+    first_pos = seq_len - (qo_indptr[seq + 1] - qo_indptr[seq])  # position of row qo_indptr[seq]
+    for i in range(row_end - row_begin):
+        for g in range(group):
+            r = i * group + g
+            _start_row(q, row_begin + i, head * group + g, r, scale, dots, qs, q_bits, acc, m, l)
+            qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
+            if slopes.shape[0] > 0:
+                slopes[r] = alibi_slopes[head * group + g]
+    num_rows = (row_end - row_begin) * group
+    low, high = qpos[0], qpos[num_rows - 1]
+    page_begin = max(low - window + 1, 0) // page_size if window > 0 else 0
+    return num_rows, low, high, page_begin, high // page_size + 1
+
+
+@njit(inline="always", **_JIT)
 def _takes_dot_products(k_cache, kv_format, allowed):
     """Whether the vdpbf16ps path applies: bfloat16 pages, head_dim a multiple of 16, and an even
     page size (so every page starts on a packed probability pair)."""
@@ -519,11 +554,11 @@ def _decode_kernel(kind):
                                 _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
                                              num_tokens, scores, (p - first) * page_size, ahead)
                             elif fma:  # the queries are scaled already
-                                _DECODE_SCORES(qs, head * group, group, k_cache, page, head,
+                                _DECODE_SCORES(kind, qs, head * group, group, k_cache, page, head,
                                             num_tokens, np.float32(1.0), scores,
                                             (p - first) * page_size, ahead, again)
                             else:
-                                _DECODE_SCORES(q_bits, head * group, group, k_cache, page, head,
+                                _DECODE_SCORES(kind, q_bits, head * group, group, k_cache, page, head,
                                             num_tokens, scale, scores, (p - first) * page_size,
                                             ahead, again)
                     masked = window > 0 and key0 <= seq_len - 1 - window
@@ -542,10 +577,10 @@ def _decode_kernel(kind):
                                 _page_accumulate(scores, head * group, group, (p - first) * page_size,
                                                  v_cache, page, head, kv_format, num_tokens, acc, ahead)
                             elif fma:
-                                _DECODE_VALUES(scores, head * group, group, (p - first) * page_size,
+                                _DECODE_VALUES(kind, scores, head * group, group, (p - first) * page_size,
                                                 v_cache, page, head, num_tokens, acc, ahead, again)
                             else:
-                                _DECODE_VALUES(packed, head * group, group, (p - first) * page_size,
+                                _DECODE_VALUES(kind, packed, head * group, group, (p - first) * page_size,
                                                 v_cache, page, head, num_tokens, acc, ahead, again)
                 for h in range(num_q_heads):
                     if part < 0:
@@ -640,37 +675,26 @@ def _prefill_kernel(kind):
             for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
                 seq, head, row_begin, row_end = items[item]
                 seq_len = seq_lens[seq]
-                first_pos = seq_len - (qo_indptr[seq + 1] - qo_indptr[seq])  # position of row qo_indptr[seq]
-                num_rows = (row_end - row_begin) * group
-                for i in range(row_end - row_begin):
-                    for g in range(group):
-                        r = i * group + g
-                        _start_row(q, row_begin + i, head * group + g, r, scale, dots, qs, q_bits, acc,
-                                   m, l)
-                        qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
-                        if slopes.shape[0] > 0:
-                            slopes[r] = alibi_slopes[head * group + g]
-                low, high = qpos[0], qpos[num_rows - 1]
-                page_begin = max(low - window + 1, 0) // page_size if window > 0 else 0
-                page_end = high // page_size + 1
+                num_rows, low, high, page_begin, page_end = _start_item(
+                    q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
+                    scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
                 for first in range(page_begin, page_end, chunk_pages):
                     last = min(first + chunk_pages, page_end)
                     key0 = first * page_size
                     num_cols = min((last - first) * page_size, seq_len - key0)
                     for p in range(first, last):
-                        in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
-                                                        chunk_pages, False, prefetch_blocks)
-                        ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
+                        ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
+                                               page_end, chunk_pages, False, prefetch_blocks)
                         num_tokens = min(page_size, seq_len - p * page_size)
                         if not tiles:
                             _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
                                          num_tokens, scores, (p - first) * page_size, ahead)
                         elif fma:
-                            _PREFILL_SCORES(qs, 0, num_rows, k_cache, block_table[seq, p], head,
+                            _PREFILL_SCORES(kind, qs, 0, num_rows, k_cache, block_table[seq, p], head,
                                         num_tokens, np.float32(1.0), scores, (p - first) * page_size,
                                         ahead, 0)
                         else:
-                            _PREFILL_SCORES(q_bits, 0, num_rows, k_cache, block_table[seq, p],
+                            _PREFILL_SCORES(kind, q_bits, 0, num_rows, k_cache, block_table[seq, p],
                                         head, num_tokens, scale, scores,
                                         (p - first) * page_size, ahead, 0)
                     masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
@@ -679,18 +703,17 @@ def _prefill_kernel(kind):
                     if dots:
                         bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
                     for p in range(first, last):
-                        in_v, pf_page, _ = _block_ahead(block_table, seq, p, 0, 1, first, last, page_end,
-                                                        chunk_pages, True, prefetch_blocks)
-                        ahead = block_address(v_cache if in_v else k_cache, pf_page, head)
+                        ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
+                                               page_end, chunk_pages, True, prefetch_blocks)
                         num_tokens = min(page_size, seq_len - p * page_size)
                         if not tiles:
                             _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
                                              block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
                         elif fma:
-                            _PREFILL_VALUES(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                            _PREFILL_VALUES(kind, scores, 0, num_rows, (p - first) * page_size, v_cache,
                                             block_table[seq, p], head, num_tokens, acc, ahead, 0)
                         else:
-                            _PREFILL_VALUES(packed, 0, num_rows, (p - first) * page_size,
+                            _PREFILL_VALUES(kind, packed, 0, num_rows, (p - first) * page_size,
                                             v_cache, block_table[seq, p], head, num_tokens,
                                             acc, ahead, 0)
                 for i in range(row_end - row_begin):
