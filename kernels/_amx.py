@@ -15,12 +15,12 @@ SGLang's CPU backend keeps decode on AVX-512 for the same reason.
 
 Numba and llvmlite have no AMX types, and LLVM's AMX intrinsics need tile shapes it tracks
 itself; so each instruction is emitted as inline assembly on fixed tile registers, and a kernel
-loads the tile configuration (:data:`CONFIG`) in each thread before its first tile instruction.
+loads the tile configuration (:func:`tile_config`) in each thread before its first tile instruction.
 LLVM never allocates the tile registers on its own, so nothing else touches them between calls.
 Every tile is 16 rows x 64 bytes (16 float32 or 32 bfloat16):
 
 - scores, S = Q K^T per 16 query rows x 16 keys: A = 16 query rows (32 dims), B = 16 keys
-  transposed into pairs of dims (``vnni``, :func:`transpose_keys` in the kernel), C in tiles 4-7
+  transposed into pairs of dims (``vnni``, by :func:`transpose_keys`), C in tiles 4-7
   (up to four row groups at once, independent sums);
 - values, O += P V per 16 rows x 32 dims: B = 16 value rows as they lie in a page (32 dims, 16
   pairs of dims per row), A = the probabilities spread to even or to odd bfloat16 slots (zeros
@@ -63,6 +63,7 @@ def _tile_data_permitted():
 
 
 def _available():
+    """Linux, a CPU with AMX-TILE and AMX-BF16, the tile state granted, PAGEKV_AMX not "0"."""
     if os.environ.get("PAGEKV_AMX", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     features = llvm.get_host_cpu_features()
