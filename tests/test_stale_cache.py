@@ -37,9 +37,10 @@ def test_cache_is_dropped_when_a_source_changes_and_kept_otherwise(tmp_path):
     assert (cache / STAMP).read_text() == sources_digest(sources)
 
 
-def test_every_process_computes_the_same_cache_keys_for_the_kernels():
+def test_every_process_computes_the_same_cache_keys_for_the_kernels(tmp_path):
     """A kernel whose closure held a dispatcher (pickled with a random id per process) was never
-    found in the on-disk cache: warmup() recompiled decode and prefill in every process."""
+    found in the on-disk cache: warmup() recompiled decode and prefill in every process. (Run in
+    an empty folder: from the checkout, ``-c`` would import the source folder, not the install.)"""
     keys = [subprocess.run([sys.executable, "-c", _CLOSURE_KEYS], capture_output=True, text=True,
-                           check=True).stdout for _ in range(2)]
+                           check=True, cwd=tmp_path).stdout for _ in range(2)]
     assert keys[0] == keys[1] and keys[0].count("\n") == 6
