@@ -24,8 +24,8 @@ from numba import njit, prange
 from pagekv.kernels import _amx
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
-from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _prefill_ahead, _slot_scratch,
-                                      _softmax_update, _start_item)
+from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _finish_row, _prefill_ahead,
+                                      _slot_scratch, _softmax_update, _start_item)
 from pagekv.kernels.prefetch import block_address, prefetch_rows
 
 ROWS, CHUNK = _amx.ROWS, _amx.CHUNK
@@ -70,19 +70,6 @@ def _zero_padded(v_cache, page, head, t0, n, tail):
     for i in range(ROWS):
         for d in range(tail.shape[1]):
             tail[i, d] = v_cache[page, head, t0 + i, d] if i < n else 0
-
-
-@njit(inline="always", **_JIT)
-def _finish_row(acc_row, m_r, l_r, out_row):
-    """Write acc / l to out_row in order (the sums hold :func:`_amx.acc_dim`'s order) and return
-    the row's log-sum-exp (-inf and zeros if nothing attended)."""
-    if l_r == 0.0:
-        out_row[:] = 0.0
-        return -np.inf
-    inv = np.float32(1.0) / l_r
-    for j in range(acc_row.shape[0]):
-        out_row[_amx.acc_dim(j)] = acc_row[j] * inv
-    return m_r + np.log(l_r)
 
 
 @njit(parallel=True, **_JIT)
@@ -167,5 +154,5 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                 for g in range(group):
                     r = i * group + g
                     lse[row_begin + i, head * group + g] = _finish_row(
-                        acc[r], m[r], l[r], out[row_begin + i, head * group + g])
+                        acc[r], m[r], l[r], out[row_begin + i, head * group + g], True, True)
         _amx.release()

@@ -40,6 +40,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from pagekv.kernels import _amx
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
 from pagekv.kernels._math import fast_exp, fmax
@@ -486,18 +487,20 @@ def _takes_fma_tiles(k_cache, kv_format):
 
 
 @njit(inline="always", **_JIT)
-def _finish_row(acc_row, m_r, l_r, out_row, dots):
+def _finish_row(acc_row, m_r, l_r, out_row, dots, amx_sums=False):
     """Write acc / l to out_row and return the row's log-sum-exp (-inf and zeros if nothing attended).
 
     dots: the accumulators are the bfloat16 value tiles', their dimensions in the order of
-    :func:`bf16.value_dim` (put back in order here, once per row)."""
+    :func:`bf16.value_dim`; amx_sums: the AMX value tiles' (:func:`_amx.acc_dim`). Either is put
+    back in order here, once per row."""
     if l_r == 0.0:
         out_row[:] = 0.0
         return -np.inf
     inv = np.float32(1.0) / l_r
     head_dim = acc_row.shape[0]
     for j in range(head_dim):
-        out_row[bf16.value_dim(j, head_dim) if dots else j] = acc_row[j] * inv
+        d = _amx.acc_dim(j) if amx_sums else bf16.value_dim(j, head_dim) if dots else j
+        out_row[d] = acc_row[j] * inv
     return m_r + math.log(l_r)
 
 
