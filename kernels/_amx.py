@@ -1,4 +1,4 @@
-"""Intel AMX tiles for bfloat16 prefill attention: the tile instructions, as inline assembly.
+"""Intel AMX tiles for bfloat16 attention: the tile instructions, as inline assembly.
 
 Why: on CPUs with AMX (Intel Xeon since Sapphire Rapids) one ``tdpbf16ps`` multiplies a 16 x 32
 bfloat16 tile by a 32 x 16 one into 16 x 16 float32 sums: 8,192 products per instruction.
@@ -8,10 +8,12 @@ no faster than float32 FMAs). Prefill, 16 query tokens x a GQA group per work it
 S1's heads), is bound by those products; torch's SDPA, which takes AMX through oneDNN, ran 3.7x
 faster than pagekv's ``vdpbf16ps`` prefill on that CPU.
 
-Decode does not take them: a group of 4 query rows fills a quarter of a tile, and a decode kernel
-built on these tiles (4-row groups, value sums kept in memory between pages) ran 1.27-1.29x
-slower than the ``vdpbf16ps`` kernel from memory (S1, S2; alternating rounds in one process).
-SGLang's CPU backend keeps decode on AVX-512 for the same reason.
+Decode has a GQA group of query rows per KV head (4 at S1), a quarter of a tile's 16 rows. A
+first decode on the prefill's tiles (query rows as A, value sums loaded and stored per page) ran
+1.27-1.29x slower than the ``vdpbf16ps`` kernel. The decode kernel turns the scores around,
+S^T = K Q^T: 16 keys as they lie in a page times the group's queries, and shapes its tiles to the
+group (:func:`decode_configs`), so no product spends time on rows of zeros; the value sums stay
+in tiles across a chunk of pages, visiting a chunk head by head.
 
 Numba and llvmlite have no AMX types, and LLVM's AMX intrinsics need tile shapes it tracks
 itself; so each instruction is emitted as inline assembly on fixed tile registers, and a kernel
@@ -20,7 +22,7 @@ LLVM never allocates the tile registers on its own, so nothing else touches them
 Every tile is 16 rows x 64 bytes (16 float32 or 32 bfloat16):
 
 - scores, S = Q K^T per 16 query rows x 16 keys: A = 16 query rows (32 dims), B = 16 keys
-  transposed into pairs of dims (``vnni``, by :func:`transpose_keys`), C in tiles 4-7
+  transposed into pairs of dims (``vnni``, by :func:`transpose_words`), C in tiles 4-7
   (up to four row groups at once, independent sums);
 - values, O += P V per 16 rows x 32 dims: B = 16 value rows as they lie in a page (32 dims, 16
   pairs of dims per row), A = the probabilities spread to even or to odd bfloat16 slots (zeros
@@ -144,28 +146,26 @@ def _transposed(builder, rows):
 
 
 @intrinsic
-def transpose_keys(typingctx, keys, key_step, chunks, out):
-    """16 key rows in the score tiles' B layout: out holds ``chunks`` tiles of 16 x 16 words,
-    word (k, n) of tile c being dims 32c + 2k and 32c + 2k + 1 of key n (low, high 16 bits).
+def transpose_words(typingctx, source, source_step, target, target_step):
+    """target word (k, n) = source word (n, k) for a 16 x 16 block of 32-bit words, by vector
+    shuffles (:func:`_transposed`): rows source_step and target_step bytes apart.
 
-    keys : key 0's first dim (bfloat16, key_step bytes per key); by vector shuffles, 16 rows of
-    a chunk at a time (moving the words one by one took ~25% of prefill's time).
+    Prefill puts 16 keys in the score tiles' B layout with it, 32 dims at a time (word k of key n
+    holds dims 2k and 2k + 1: moving the words one by one took ~25% of prefill's time); decode
+    turns its scores, one key per row, into one query row per row.
     """
-    signature = types.void(keys, key_step, chunks, out)
+    signature = types.void(source, source_step, target, target_step)
 
     def codegen(context, builder, sig, args):
-        keys, key_step, chunks, out = args
+        source, source_step, target, target_step = args
         vector = ir.VectorType(_I32, ROWS)
-        with cgutils.for_range(builder, chunks) as loop:
-            chunk = builder.add(keys, builder.mul(loop.index, _i64(ROW_BYTES)))
-            rows = []
-            for n in range(ROWS):
-                address = builder.add(chunk, builder.mul(key_step, _i64(n)))
-                rows.append(builder.load(builder.inttoptr(address, vector.as_pointer()), align=2))
-            tile = builder.add(out, builder.mul(loop.index, _i64(TILE_BYTES)))
-            for k, row in enumerate(_transposed(builder, rows)):
-                address = builder.add(tile, _i64(k * ROW_BYTES))
-                builder.store(row, builder.inttoptr(address, vector.as_pointer()), align=4)
+        rows = []
+        for n in range(ROWS):
+            address = builder.add(source, builder.mul(source_step, _i64(n)))
+            rows.append(builder.load(builder.inttoptr(address, vector.as_pointer()), align=2))
+        for k, row in enumerate(_transposed(builder, rows)):
+            address = builder.add(target, builder.mul(target_step, _i64(k)))
+            builder.store(row, builder.inttoptr(address, vector.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -262,15 +262,43 @@ def accumulate(typingctx, probs, prob_step, values, value_step, two):
 
 
 @njit(cache=True, nogil=True)
+def _set_tile(config, tile, rows, row_bytes):
+    """Tile ``tile`` of a configuration: ``rows`` rows of ``row_bytes`` bytes (a little-endian
+    uint16 at byte 16 + 2 tile, the rows at byte 48 + tile)."""
+    config[16 + 2 * tile] = row_bytes & 0xFF
+    config[17 + 2 * tile] = row_bytes >> 8
+    config[48 + tile] = rows
+
+
+@njit(cache=True, nogil=True)
 def tile_config():
     """The 64-byte tile configuration: palette 1, eight tiles of 16 rows x 64 bytes."""
     config = np.zeros(CONFIG_BYTES, np.uint8)
     config[0] = 1
-    row_bytes = config[16:48].view(np.uint16)
     for tile in range(8):
-        row_bytes[tile] = ROW_BYTES
-        config[48 + tile] = ROWS
+        _set_tile(config, tile, ROWS, ROW_BYTES)
     return config
+
+
+@njit(cache=True, nogil=True)
+def decode_configs(group):
+    """Decode's two tile configurations (uint8 [2, 64]) for a GQA group of ``group`` (1-16) query
+    rows, so that no tile product spends time on rows of zeros:
+
+    0. scores, S^T = K Q^T: tile 0 (A) 16 key rows x 64 bytes as they lie in a page, tile 1 (B)
+       16 pairs of dims x ``group`` queries, tile 4 (C) 16 keys x ``group`` float32
+       (:func:`score_tiles` with one row group);
+    1. values: tiles 0, 1 (A, the spread probabilities) and 4-7 (the sums) ``group`` rows x 64
+       bytes, tiles 2, 3 (B, value rows) 16 x 64 bytes (:func:`accumulate`).
+    """
+    configs = np.zeros((2, CONFIG_BYTES), np.uint8)
+    configs[:, 0] = 1
+    _set_tile(configs[0], 0, ROWS, ROW_BYTES)
+    _set_tile(configs[0], 1, ROWS, 4 * group)
+    _set_tile(configs[0], 4, ROWS, 4 * group)
+    for tile in range(8):
+        _set_tile(configs[1], tile, ROWS if tile in (2, 3) else group, ROW_BYTES)
+    return configs
 
 
 @njit(cache=True, nogil=True, inline="always")

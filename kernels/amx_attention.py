@@ -1,21 +1,26 @@
-"""Paged prefill attention over bfloat16 pages by Intel AMX tiles (kernels/_amx.py).
+"""Paged prefill and decode attention over bfloat16 pages by Intel AMX tiles (kernels/_amx.py).
 
-The same work as :func:`pagekv.kernels.attention.prefill` — the same work items (one KV head of
-one sequence for a block of 16 query tokens, a GQA group's heads together), causal and window
-masks, chunked online softmax and prefetches — with the products by AMX tiles. The item's query
-rows are taken in groups of 16 (the last group padded with zero rows); per 16 keys of a page:
+:func:`prefill` does the work of :func:`pagekv.kernels.attention.prefill` — the same work items
+(one KV head of one sequence for a block of 16 query tokens, a GQA group's heads together), causal
+and window masks, chunked online softmax and prefetches — with the products by AMX tiles. The
+item's query rows are taken in groups of 16 (the last group padded with zero rows); per 16 keys of
+a page:
 
-- scores: the keys are turned into B's layout (pairs of dims; :func:`_amx.transpose_keys`), then one
+- scores: the keys are turned into B's layout (pairs of dims; :func:`_amx.transpose_words`), then one
   tile product per 32 dims and row group gives 16 x 16 scores (:func:`_amx.score_tiles`);
 - values: per row group and pair of 32-dim chunks, the sums stay in tiles across all pages of a
   softmax chunk (:func:`_amx.load_sums`, :func:`_amx.accumulate`, :func:`_amx.store_sums`).
+
+:func:`decode` does the work of :func:`pagekv.kernels.attention.decode` (the same planned items:
+a sequence's run of pages, all KV heads) with tiles shaped to the GQA group (see its docstring).
 
 What is rounded is what the ``vdpbf16ps`` path rounds (the query and the probabilities, once each,
 to bfloat16; products exact, sums float32), so results agree with it to the order of float32 sums.
 
 Taken when the CPU has AMX-BF16 (:data:`pagekv.kernels._amx.AVAILABLE`), the cache is bfloat16,
 ``fast_bf16`` is on, head_dim is a multiple of 32 and the page size a multiple of 16
-(:func:`applies`); otherwise the ``vdpbf16ps`` kernel runs.
+(:func:`applies`), and for decode where it measured faster (:func:`applies_to_decode`); otherwise
+the ``vdpbf16ps`` kernels run.
 """
 
 import numpy as np
@@ -24,11 +29,12 @@ from numba import njit, prange
 from pagekv.kernels import _amx
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
-from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _finish_row, _prefill_ahead,
-                                      _slot_scratch, _softmax_update, _start_item)
+from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _blocks_ahead, _finish_row,
+                                      _prefill_ahead, _slot_scratch, _softmax_update, _start_item,
+                                      _start_row)
 from pagekv.kernels.prefetch import block_address, prefetch_rows
 
-ROWS, CHUNK = _amx.ROWS, _amx.CHUNK
+ROWS, CHUNK, ROW_BYTES = _amx.ROWS, _amx.CHUNK, _amx.ROW_BYTES
 
 
 def applies(k_cache, kv_format, dot_products):
@@ -36,6 +42,24 @@ def applies(k_cache, kv_format, dot_products):
     page_size, head_dim = k_cache.shape[2], k_cache.shape[3]
     return bool(_amx.AVAILABLE and dot_products and kv_format == FORMAT_BFLOAT16
                 and head_dim % CHUNK == 0 and page_size % ROWS == 0)
+
+
+# Decode takes AMX for GQA groups of 3-16 query rows (16: one tile's rows) and head_dim up to 128.
+# Measured against the vdpbf16ps kernel on the Intel Xeon VM (time ratios, alternating rounds in one
+# process; "memory" with the 300 MiB L3 evicted before each round, "L2" with every page mapped onto
+# 1 MiB): group 4 / head_dim 128 (S1) 0.91 memory, 0.78 L2; 3 / 128: 0.97, 0.78; 7 / 128: 0.71, 0.49;
+# 16 / 128: 0.49, 0.39; 4 / 64: 0.92, 0.75; 4 / 96: 1.02, 0.82. Slower: MHA (group 1, S3) 1.02,
+# 1.00; group 2 / 128: 1.04, 1.07; 2 / 256: 1.26, 1.18; 4 / 256: 1.06-1.11 from memory (0.62 L2).
+# The score tiles cost the same for any group (16 keys per row), so small groups favour vdpbf16ps.
+DECODE_GROUPS = (3, ROWS)
+DECODE_MAX_HEAD_DIM = 128
+
+
+def applies_to_decode(k_cache, kv_format, dot_products, group):
+    """Whether :func:`decode` serves this call (else the ``vdpbf16ps`` kernel does): as
+    :func:`applies`, for GQA groups and head_dims where AMX decode measured faster."""
+    return bool(applies(k_cache, kv_format, dot_products) and k_cache.shape[3] <= DECODE_MAX_HEAD_DIM
+                and DECODE_GROUPS[0] <= group <= DECODE_GROUPS[1])
 
 
 @njit(**_JIT)
@@ -115,7 +139,9 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                     num_tokens = min(page_size, seq_len - p * page_size)
                     for t0 in range(0, num_tokens, ROWS):
                         keys = block_address(k_cache, block_table[seq, p], head) + t0 * row_bytes
-                        _amx.transpose_keys(keys, row_bytes, chunks, keys_t.ctypes.data)
+                        for c in range(chunks):  # the keys in B's layout, 32 dims at a time
+                            _amx.transpose_words(keys + c * ROW_BYTES, row_bytes,
+                                                 keys_t.ctypes.data + c * _amx.TILE_BYTES, ROW_BYTES)
                         col = (p - first) * page_size + t0
                         for g0 in range(0, groups, _amx.GROUPS):
                             _amx.score_tiles(q_bits.ctypes.data + g0 * ROWS * q_step, q_step,
@@ -155,4 +181,123 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                     r = i * group + g
                     lse[row_begin + i, head * group + g] = _finish_row(
                         acc[r], m[r], l[r], out[row_begin + i, head * group + g], True, True)
+        _amx.release()
+
+
+@njit(**_JIT)
+def _queries_by_pairs(q_bits, group, q_t):
+    """The queries in the B layout of decode's score tiles: q_t[h, c, k, g] holds dims 32c + 2k
+    and 32c + 2k + 1 (low, high 16 bits) of query row h * group + g.
+
+    q_bits : uint16 [num_q_heads, head_dim]; q_t : uint32 [num_kv_heads, head_dim // 32, 16, 16]
+    (words g >= group unused).
+    """
+    for h in range(q_t.shape[0]):
+        for c in range(q_t.shape[1]):
+            for k in range(ROWS):
+                for g in range(group):
+                    d = c * CHUNK + 2 * k
+                    row = h * group + g
+                    q_t[h, c, k, g] = np.uint32(q_bits[row, d]) | (np.uint32(q_bits[row, d + 1]) << np.uint32(16))
+
+
+@njit(parallel=True, **_JIT)
+def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale, window, soft_cap,
+           alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks):
+    """:func:`pagekv.kernels.attention.decode` for bfloat16 pages by AMX tiles (same arguments,
+    without kv_format and dot_products); see :func:`applies_to_decode` for the shapes it takes.
+
+    Per chunk of pages, head by head (the value sums of a head stay in tiles across the chunk's
+    pages, so the blocks are visited head-major; :func:`_block_ahead` prefetches in that order):
+    scores as S^T = K Q^T, a page's key rows as they lie times the group's queries in pairs of
+    dims (:func:`_queries_by_pairs`), then the softmax over every head's rows, then the values
+    as in :func:`prefill`, 64 dims per pass over the chunk's pages.
+    """
+    num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_q_heads = q.shape[1]
+    group = num_q_heads // num_kv_heads
+    chunks = head_dim // CHUNK
+    chunk_pages = max(1, CHUNK_TOKENS // page_size)
+    cols = chunk_pages * page_size
+    padded_rows = -(-num_q_heads // ROWS) * ROWS
+    row_bytes = k_cache.strides[2]
+    configs = _amx.decode_configs(group)
+    for slot in prange(slot_indptr.shape[0] - 1):
+        qs, acc, m, l, qpos, scores = _slot_scratch(padded_rows, cols, head_dim)
+        scores_by_key = np.empty((cols, padded_rows), np.float32)  # the score tiles' layout
+        q_bits = np.empty((num_q_heads, head_dim), np.uint16)
+        q_t = np.zeros((num_kv_heads, chunks, ROWS, ROWS), np.uint32)
+        spread = np.zeros((num_q_heads, cols + 1), np.uint32)
+        tails = np.zeros((num_kv_heads, ROWS, head_dim), np.uint16)
+        a_step, p_step = acc.strides[0], spread.strides[0]
+        s_step, k_step = scores.strides[0], scores_by_key.strides[0]
+        for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
+            seq, page_begin, page_end, part = items[item]
+            seq_len = seq_lens[seq]
+            for h in range(num_q_heads):
+                _start_row(q, seq, h, h, scale, True, qs, q_bits, acc, m, l)
+            qpos[:] = seq_len - 1
+            _queries_by_pairs(q_bits, group, q_t)
+            for first in range(page_begin, page_end, chunk_pages):
+                last = min(first + chunk_pages, page_end)
+                key0 = first * page_size
+                num_cols = min((last - first) * page_size, seq_len - key0)
+                _amx.configure(configs.ctypes.data)
+                for head in range(num_kv_heads):
+                    queries = q_t.ctypes.data + head * q_t.strides[0]
+                    for p in range(first, last):
+                        ahead, again = _blocks_ahead(k_cache, v_cache, block_table, seq, p, head,
+                                                     num_kv_heads, first, last, page_end, chunk_pages,
+                                                     False, prefetch_blocks, True)
+                        keys = block_address(k_cache, block_table[seq, p], head)
+                        for t0 in range(0, min(page_size, seq_len - p * page_size), ROWS):
+                            prefetch_rows(ahead, row_bytes, t0, ROWS)
+                            prefetch_rows(again, row_bytes, t0, ROWS)
+                            col = (p - first) * page_size + t0
+                            _amx.score_tiles(keys + t0 * row_bytes, row_bytes, queries, 1, chunks,
+                                             scores_by_key.ctypes.data + col * k_step + head * group * 4,
+                                             k_step)
+                for t0 in range(0, num_cols, ROWS):  # one query row per row, 16 x 16 at a time
+                    for r0 in range(0, padded_rows, ROWS):
+                        _amx.transpose_words(scores_by_key.ctypes.data + t0 * k_step + r0 * 4, k_step,
+                                             scores.ctypes.data + r0 * s_step + t0 * 4, s_step)
+                _scale(scores, num_q_heads, num_cols, scale)
+                masked = window > 0 and key0 <= seq_len - 1 - window
+                _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
+                                soft_cap, alibi_slopes, m, l, acc)
+                _spread(scores, num_q_heads, num_cols, spread)
+                last_tokens = min(page_size, seq_len - (last - 1) * page_size)
+                if last_tokens % ROWS:  # the sequence's last page ends inside a tile
+                    for head in range(num_kv_heads):
+                        _zero_padded(v_cache, block_table[seq, last - 1], head,
+                                     last_tokens - last_tokens % ROWS, last_tokens % ROWS, tails[head])
+                _amx.configure(configs.ctypes.data + _amx.CONFIG_BYTES)
+                for head in range(num_kv_heads):
+                    for c0 in range(0, chunks, 2):
+                        two = c0 + 1 < chunks
+                        sums = acc.ctypes.data + head * group * a_step + c0 * CHUNK * 4
+                        _amx.load_sums(sums, a_step, two)
+                        for p in range(first, last):
+                            ahead, again = 0, 0
+                            if c0 == 0:  # the later passes find the chunk's blocks in L2
+                                ahead, again = _blocks_ahead(
+                                    k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first,
+                                    last, page_end, chunk_pages, True, prefetch_blocks, True)
+                            values = block_address(v_cache, block_table[seq, p], head)
+                            num_tokens = min(page_size, seq_len - p * page_size)
+                            for t0 in range(0, num_tokens, ROWS):
+                                prefetch_rows(ahead, row_bytes, t0, ROWS)
+                                prefetch_rows(again, row_bytes, t0, ROWS)
+                                rows, step = values + t0 * row_bytes, row_bytes
+                                if num_tokens - t0 < ROWS:
+                                    rows, step = tails.ctypes.data + head * tails.strides[0], tails.strides[1]
+                                col = (p - first) * page_size + t0
+                                _amx.accumulate(spread.ctypes.data + head * group * p_step + col * 4,
+                                                p_step, rows + c0 * CHUNK * 2, step, two)
+                        _amx.store_sums(sums, a_step, two)
+            for h in range(num_q_heads):
+                if part < 0:
+                    lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], True, True)
+                else:
+                    part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h], True, True)
         _amx.release()

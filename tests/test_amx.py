@@ -1,11 +1,13 @@
-"""The AMX prefill kernel (kernels/amx_attention.py) on CPUs with AMX-BF16; skipped elsewhere.
+"""The AMX prefill and decode kernels (kernels/amx_attention.py) on CPUs with AMX-BF16; skipped
+elsewhere.
 
-Where it runs, test_attention.py's prefill tests take it too (bfloat16 pages, head_dim a multiple
-of 32, page size a multiple of 16); these tests pin its pieces and compare it with the
-``vdpbf16ps`` kernel, which rounds the same inputs the same way, on the shapes that reach every
-branch: 1-8 row groups (past the four a key tile feeds at once), an odd number of 32-dim chunks,
-pages of 16-256 tokens ending mid-tile, rows past a sequence's end holding NaN, and softmax
-chunks with and without masks (two code paths).
+Where they run, test_attention.py's prefill and decode tests take them too (bfloat16 pages,
+head_dim a multiple of 32, page size a multiple of 16); these tests pin their pieces and compare
+them with the ``vdpbf16ps`` kernels, which round the same inputs the same way, on the shapes that
+reach every branch: 1-8 row groups in prefill (past the four a key tile feeds at once), GQA
+groups of 1-16 in decode (the tile shapes follow the group), an odd number of 32-dim chunks,
+pages of 16-256 tokens ending mid-tile, rows past a sequence's end holding NaN, sequences split
+across threads, and softmax chunks with and without masks (two code paths).
 """
 
 import numpy as np
@@ -23,11 +25,12 @@ pytestmark = pytest.mark.skipif(not _amx.AVAILABLE, reason="this CPU (or kernel)
 
 @njit
 def _transpose(keys, out):
-    _amx.transpose_keys(keys.ctypes.data, keys.strides[0], out.shape[0], out.ctypes.data)
+    for c in range(out.shape[0]):
+        _amx.transpose_words(keys.ctypes.data + 64 * c, keys.strides[0], out[c].ctypes.data, 64)
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
-def test_transpose_keys_pairs_dims_by_key(head_dim):
+def test_transpose_words_pairs_dims_by_key(head_dim):
     rng = np.random.default_rng(head_dim)
     keys = rng.integers(0, 2**16, (16, head_dim), dtype=np.uint16)
     out = np.zeros((head_dim // 32, 16, 16), np.uint32)
@@ -35,6 +38,21 @@ def test_transpose_keys_pairs_dims_by_key(head_dim):
     words = keys.view(np.uint32)  # word j of key n: dims 2j (low half), 2j + 1 (high half)
     expected = words.reshape(16, head_dim // 32, 16).transpose(1, 2, 0)  # [chunk, k, n]
     np.testing.assert_array_equal(out, expected)
+
+
+@njit
+def _transpose_block(source, target):
+    _amx.transpose_words(source.ctypes.data, source.strides[0], target.ctypes.data, target.strides[0])
+
+
+def test_transpose_words_moves_a_block_between_any_row_steps():
+    """Decode's scores: a block of 16 x 16 float32 words inside wider arrays, nothing else written."""
+    source = np.random.default_rng(1).standard_normal((20, 33)).astype(np.float32)
+    target = np.full((18, 21), -3.0, np.float32)
+    _transpose_block(source[2:, 5:], target[1:, 3:])
+    np.testing.assert_array_equal(target[1:17, 3:19], source[2:18, 5:21].T)
+    target[1:17, 3:19] = -3.0
+    assert (target == -3.0).all()
 
 
 def test_acc_dim_lists_even_then_odd_dims_of_each_chunk():
@@ -135,3 +153,85 @@ def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, gro
                                                qo_indptr, **options)
     assert relative_error(out, expected) <= FAST_BF16_TOLERANCE
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
+def _decode(monkeypatch, amx, *args, **options):
+    """Decode by the AMX kernel (amx True: also where it is not picked for speed) or the
+    vdpbf16ps one."""
+    with monkeypatch.context() as patch:
+        patch.setattr(amx_attention, "applies_to_decode", lambda *a: amx)
+        return attention.paged_decode_attention(*args, **options)
+
+
+@njit
+def _decode_scores(keys, q_t, group, scores):
+    configs = _amx.decode_configs(group)
+    _amx.configure(configs.ctypes.data)
+    _amx.score_tiles(keys.ctypes.data, keys.strides[0], q_t.ctypes.data, 1, q_t.shape[0],
+                     scores.ctypes.data, scores.strides[0])
+    _amx.release()
+
+
+@pytest.mark.parametrize("group", [1, 5, 16])
+def test_decode_scores_hold_one_key_per_row(group):
+    """S^T = K Q^T by the decode configuration: 16 keys as they lie x the group's queries in
+    pairs of dims; the tile writes ``group`` scores per key and not one float past them."""
+    rng = np.random.default_rng(group)
+    queries = to_storage(rng.standard_normal((group, 96)), "bfloat16")
+    keys = to_storage(rng.standard_normal((16, 96)), "bfloat16")
+    q_t = np.zeros((1, 3, 16, 16), np.uint32)
+    amx_attention._queries_by_pairs(queries, group, q_t)
+    scores = np.full((16, 17), -7.0, np.float32)
+    _decode_scores(keys, q_t[0], group, scores)
+    f = lambda bits: widen(bits, "bfloat16")  # noqa: E731
+    np.testing.assert_allclose(scores[:, :group], f(keys) @ f(queries).T, rtol=1e-5, atol=1e-4)
+    assert (scores[:, group:] == -7.0).all()
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 16])
+@pytest.mark.parametrize("page_size, head_dim", [(16, 128), (32, 96), (256, 64), (16, 256)])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "logits_soft_cap": 30.0},
+                                     {"alibi_slopes": True, "scale": 0.05}])
+def test_decode_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, group, page_size,
+                                                               head_dim, options):
+    rng = np.random.default_rng(group * page_size + head_dim)
+    seq_lens = [1, 17, 63, 64, 97, 300, 2000]  # 2000: split across threads
+    kv = PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                 kind="bfloat16")
+    for s, n in enumerate(seq_lens):  # rows past each sequence's end: NaN, never to be read
+        if n % page_size:
+            kv.k[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+            kv.v[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+    num_q_heads = 2 * group
+    q = rng.standard_normal((len(seq_lens), num_q_heads, head_dim)).astype(np.float32)
+    options = dict(options)
+    if options.pop("alibi_slopes", False):
+        options["alibi_slopes"] = (2.0 ** -np.arange(1, num_q_heads + 1)).astype(np.float32)
+    plan = attention.plan_decode(kv.seq_lens, page_size=page_size,
+                                 sliding_window=options.get("sliding_window"), num_threads=3)
+    assert len(plan.split_seqs) > 0 or "sliding_window" in options  # a window: 40 keys, no split
+    args = (q, kv.k, kv.v, kv.block_table, kv.seq_lens)
+    out, lse = _decode(monkeypatch, True, *args, return_lse=True, plan=plan, **options)
+    twin_out, twin_lse = _decode(monkeypatch, False, *args, return_lse=True, plan=plan, **options)
+    assert np.isfinite(out).all()
+    assert relative_error(out, twin_out) <= 2.0**-8  # as in prefill: a probability's rounding
+    np.testing.assert_allclose(lse, twin_lse, rtol=1e-5, atol=1e-5)
+    q_rounded = widen(to_storage(q, "bfloat16"), "bfloat16")
+    expected, expected_lse = reference.decode(q_rounded, kv.k64, kv.v64, kv.block_table,
+                                              kv.seq_lens, **options)
+    assert relative_error(out, expected) <= FAST_BF16_TOLERANCE
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_applies_where_it_measured_faster():
+    def cache(page_size, head_dim):
+        return np.zeros((2, 1, page_size, head_dim), np.uint16)
+
+    for group in (3, 4, 7, 16):
+        assert amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, group)
+    assert amx_attention.applies_to_decode(cache(256, 64), FORMAT_BFLOAT16, True, 4)
+    assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, 2)
+    assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, 17)
+    assert not amx_attention.applies_to_decode(cache(16, 256), FORMAT_BFLOAT16, True, 4)
+    assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, False, 4)
+    assert not amx_attention.applies_to_decode(cache(8, 128), FORMAT_BFLOAT16, True, 4)
