@@ -9,8 +9,11 @@ import time
 import numpy as np
 
 
-def paired_times(first, second, rounds):
+def paired_times(first, second, rounds, *, before_each=None):
     """Time ``first()`` and ``second()`` in ``rounds`` adjacent pairs, alternating their order.
+
+    ``before_each``, if given, is called (untimed) before every timed call: decode passes one
+    that evicts the last-level cache, so neither run finds the other's data there.
 
     Returns
     -------
@@ -21,6 +24,8 @@ def paired_times(first, second, rounds):
     for i in range(rounds):
         order = ((0, first), (1, second)) if i % 2 == 0 else ((1, second), (0, first))
         for column, run in order:
+            if before_each is not None:
+                before_each()
             start = time.perf_counter()
             run()
             seconds[i, column] = time.perf_counter() - start

@@ -311,31 +311,27 @@ _PREFILL_SCORES, _PREFILL_VALUES = _by_storage(_PREFILL_TILED)
 
 @njit(inline="always", **_JIT)
 def _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end, chunk_pages, v_pass,
-                 distance, head_major=False):
+                 distance):
     """The block ``distance`` visits after block (page p, head h), to prefetch while reading it.
 
-    An item visits a chunk's K blocks (pages first .. last - 1, heads 0 .. num_heads - 1 of each,
-    or with ``head_major`` each head's pages in turn), then the chunk's V blocks in the same order,
-    then the next chunk's K blocks. Returns (in_v, physical page, head): in_v says whether the block
-    is in the V cache; page -1 when the item ends first or distance is 0.
+    An item visits a chunk's K blocks (pages first .. last - 1, heads 0 .. num_heads - 1 of each),
+    then the chunk's V blocks, then the next chunk's K blocks. Returns (in_v, physical page, head):
+    in_v says whether the block is in the V cache; page -1 when the item ends first or distance is 0.
     """
     if distance == 0:
         return False, -1, 0
-    pages = last - first
-    index = (h * pages + p - first if head_major else (p - first) * num_heads + h) + distance
-    span = pages * num_heads
+    index = (p - first) * num_heads + h + distance
+    span = (last - first) * num_heads
     in_v = v_pass
     if index >= span:  # past this pass: into the chunk's V pass, or the next chunk's K pass
         index -= span
         in_v = not v_pass
         if v_pass:
             first, last = last, min(last + chunk_pages, page_end)
-            pages = last - first
-    if pages <= 0 or index >= pages * num_heads:
+    page = first + index // num_heads
+    if page >= last:
         return in_v, -1, 0
-    page, head = (first + index % pages, index // pages) if head_major else \
-        (first + index // num_heads, index % num_heads)
-    return in_v, block_table[seq, page], head
+    return in_v, block_table[seq, page], index % num_heads
 
 
 @njit(inline="always", **_JIT)
@@ -350,14 +346,14 @@ def _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last, pag
 
 @njit(inline="always", **_JIT)
 def _blocks_ahead(k_cache, v_cache, block_table, seq, p, h, num_heads, first, last, page_end,
-                  chunk_pages, v_pass, distances, head_major=False):
+                  chunk_pages, v_pass, distances):
     """The addresses of the blocks distances[0] and distances[1] visits after block (page p, head
     h) (see :func:`_block_ahead`): far ahead, and again nearer (kernels/prefetch.py); 0: none."""
     in_v, page, head = _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end,
-                                    chunk_pages, v_pass, distances[0], head_major)
+                                    chunk_pages, v_pass, distances[0])
     ahead = block_address(v_cache if in_v else k_cache, page, head)
     in_v, page, head = _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end,
-                                    chunk_pages, v_pass, distances[1], head_major)
+                                    chunk_pages, v_pass, distances[1])
     return ahead, block_address(v_cache if in_v else k_cache, page, head)
 
 

@@ -170,12 +170,11 @@ def test_prefetch_distances_in_blocks(kind, page_size, head_dim, prefetch, block
     assert _prefetch_blocks(prefetch, cache) == blocks
 
 
-@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("num_heads, page_end, chunk_pages", [(8, 40, 16), (1, 5, 2), (3, 7, 3)])
-def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_pages, head_major):
-    """_block_ahead names the block `distance` visits ahead: a chunk's K blocks (page by page, or
-    head by head), its V blocks, the next chunk's K blocks, ... (a Python list of the visits is
-    the reference), and none past the item's last visit."""
+def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_pages):
+    """_block_ahead names the block `distance` visits ahead: a chunk's K blocks, its V blocks, the
+    next chunk's K blocks, ... (a Python list of the visits is the reference), and none past the
+    item's last visit."""
     from pagekv.kernels.attention import _block_ahead
 
     table = np.random.default_rng(3).permutation(1000)[:page_end].astype(np.int32)[None, :]
@@ -183,13 +182,12 @@ def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_page
     passes = ((first, in_v) for first in range(0, page_end, chunk_pages) for in_v in (False, True))
     for pass_number, (first, in_v) in enumerate(passes):
         last = min(first + chunk_pages, page_end)
-        blocks = ([(p, h) for h in range(num_heads) for p in range(first, last)] if head_major else
-                  [(p, h) for p in range(first, last) for h in range(num_heads)])
-        visits += [(pass_number, in_v, p, h, first, last) for p, h in blocks]
+        visits += [(pass_number, in_v, p, h, first, last)
+                   for p in range(first, last) for h in range(num_heads)]
     for distance in (0, 1, 2, num_heads * chunk_pages + 1):
         for i, (pass_number, v_pass, p, h, first, last) in enumerate(visits):
             got = _block_ahead(table, 0, p, h, num_heads, first, last, page_end, chunk_pages, v_pass,
-                               distance, head_major)
+                               distance)
             # Targets lie in the pass being read or the next one; none past the item's end.
             if distance == 0 or i + distance >= len(visits) or visits[i + distance][0] > pass_number + 1:
                 assert got[1] == -1, (i, distance)
