@@ -49,6 +49,8 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16):
         table = np.array([[0, 1], [2, 0]], np.int32)
         lens = np.array([page_size + 1, 3], np.int32)
         attention.paged_decode_attention(q, cache, cache, table, lens)
+        one_head = np.ascontiguousarray(cache[:, :1])  # a GQA group of 4: the AMX decode, where present
+        attention.paged_decode_attention(q, one_head, one_head, table, lens)
         attention.paged_prefill_attention(q, cache, cache, table, lens, np.array([0, 1, 2], np.int32))
         attention.write_kv(cache[0, :, :2].transpose(1, 0, 2).copy(), cache[1, :, :2].transpose(1, 0, 2).copy(),
                            cache, cache.copy(), np.array([5, -1]))
