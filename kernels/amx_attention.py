@@ -194,10 +194,10 @@ def _queries_by_pairs(q_bits, group, q_t):
     for h in range(q_t.shape[0]):
         for c in range(q_t.shape[1]):
             for k in range(ROWS):
+                d = c * CHUNK + 2 * k
                 for g in range(group):
-                    d = c * CHUNK + 2 * k
-                    row = h * group + g
-                    q_t[h, c, k, g] = np.uint32(q_bits[row, d]) | (np.uint32(q_bits[row, d + 1]) << np.uint32(16))
+                    low, high = q_bits[h * group + g, d], q_bits[h * group + g, d + 1]
+                    q_t[h, c, k, g] = np.uint32(low) | (np.uint32(high) << np.uint32(16))
 
 
 @njit(**_JIT)
@@ -322,8 +322,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                                 prefetch_rows(ahead, row_bytes, t0, ROWS)
                                 prefetch_rows(again, row_bytes, t0, ROWS)
                                 rows, step = values + t0 * row_bytes, row_bytes
-                                if num_tokens - t0 < ROWS:
-                                    rows, step = tails.ctypes.data + head * tails.strides[0], tails.strides[1]
+                                if num_tokens - t0 < ROWS:  # the zero-padded copy
+                                    rows = tails.ctypes.data + head * tails.strides[0]
+                                    step = tails.strides[1]
                                 col = (p - first) * page_size + t0
                                 _amx.accumulate(spread.ctypes.data + head * group * p_step + col * 4,
                                                 p_step, rows + c0 * CHUNK * 2, step, two)
