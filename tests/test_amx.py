@@ -112,6 +112,16 @@ def test_applies_to_the_shapes_it_takes_only():
     assert not amx_attention.applies(np.zeros((2, 1, 16, 128), np.float32), FORMAT_FLOAT32, True)
 
 
+def _nan_past_the_end(kv):
+    """kv with every row past a sequence's end (in its last page) NaN: never to be read."""
+    page_size = kv.k.shape[2]
+    for s, n in enumerate(kv.seq_lens):
+        if n % page_size:
+            kv.k[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+            kv.v[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+    return kv
+
+
 def _vdpbf16ps_prefill(monkeypatch, *args, **options):
     with monkeypatch.context() as patch:
         patch.setattr(amx_attention, "applies", lambda *a: False)
@@ -126,12 +136,8 @@ def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, gro
                                                                 head_dim, options):
     rng = np.random.default_rng(group * page_size + head_dim)
     seq_lens = [1, 17, 63, 64, 97, 300, 600]  # 600: whole chunks before the first query (unmasked)
-    kv = PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
-                 kind="bfloat16")
-    for s, n in enumerate(seq_lens):  # rows past each sequence's end: NaN, never to be read
-        if n % page_size:
-            kv.k[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
-            kv.v[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+    kv = _nan_past_the_end(PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim,
+                                   page_size=page_size, kind="bfloat16"))
     q_lens = [1, 17, 40, 64, 33, 129, 40]
     qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_q_heads = 2 * group
@@ -196,12 +202,8 @@ def test_decode_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, grou
                                                                head_dim, options):
     rng = np.random.default_rng(group * page_size + head_dim)
     seq_lens = [1, 17, 63, 64, 97, 300, 2000]  # 2000: split across threads
-    kv = PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
-                 kind="bfloat16")
-    for s, n in enumerate(seq_lens):  # rows past each sequence's end: NaN, never to be read
-        if n % page_size:
-            kv.k[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
-            kv.v[kv.block_table[s, n // page_size], :, n % page_size:] = 0x7FC0
+    kv = _nan_past_the_end(PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim,
+                                   page_size=page_size, kind="bfloat16"))
     num_q_heads = 2 * group
     q = rng.standard_normal((len(seq_lens), num_q_heads, head_dim)).astype(np.float32)
     options = dict(options)
