@@ -30,7 +30,7 @@ from pagekv.kernels import _amx
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
 from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _finish_row, _prefill_ahead,
-                                      _slot_scratch, _softmax_update, _start_item, _start_row)
+                                      _slot_scratch, _softmax_update, _start_decode_item, _start_item)
 from pagekv.kernels.prefetch import block_address, prefetch_rows
 
 ROWS, CHUNK, ROW_BYTES = _amx.ROWS, _amx.CHUNK, _amx.ROW_BYTES
@@ -265,9 +265,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
-            for h in range(num_q_heads):
-                _start_row(q, seq, h, h, scale, True, qs, q_bits, acc, m, l)
-            qpos[:] = seq_len - 1
+            _start_decode_item(q, seq, seq_len, scale, True, qs, q_bits, acc, m, l, qpos)
             _queries_by_pairs(q_bits, group, q_t)
             for first in range(page_begin, page_end, chunk_pages):
                 last = min(first + chunk_pages, page_end)

@@ -454,6 +454,15 @@ def _start_row(q, token, q_head, r, scale, dots, qs, q_bits, acc, m, l):
 
 
 @njit(inline="always", **_JIT)
+def _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos):
+    """Set up a decode item's working rows: row h for query head h of sequence seq
+    (:func:`_start_row`), every row at the sequence's last position."""
+    for h in range(q.shape[1]):
+        _start_row(q, seq, h, h, scale, dots, qs, q_bits, acc, m, l)
+    qpos[:] = seq_len - 1
+
+
+@njit(inline="always", **_JIT)
 def _start_item(q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
                 scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes):
     """Set up a prefill item's working rows (query token i of the item, head g of the group: row
@@ -540,9 +549,7 @@ def _decode_kernel(kind):
             for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
                 seq, page_begin, page_end, part = items[item]
                 seq_len = seq_lens[seq]
-                for h in range(num_q_heads):
-                    _start_row(q, seq, h, h, scale, dots, qs, q_bits, acc, m, l)
-                qpos[:] = seq_len - 1
+                _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos)
                 for first in range(page_begin, page_end, chunk_pages):
                     last = min(first + chunk_pages, page_end)
                     key0 = first * page_size
