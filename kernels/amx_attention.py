@@ -95,6 +95,27 @@ def _zero_padded(v_cache, page, head, t0, n, tail):
             tail[i, d] = v_cache[page, head, t0 + i, d] if i < n else 0
 
 
+@njit(inline="always", **_JIT)
+def _accumulate_page(probs, prob_step, values, row_bytes, num_tokens, tail, tail_step, dims, two,
+                     ahead, again):
+    """The value sums loaded in tiles (:func:`_amx.load_sums`) += probabilities x one page's value
+    rows, 16 at a time: dims ``dims // 2`` onward, one chunk of 32 (two if ``two``).
+
+    probs : address of the page's first spread probability of the rows' first row (prob_step
+    bytes per row); values : the page's block address (row_bytes per token row), num_tokens of
+    them valid; tail, tail_step : the zero-padded copy of a last tile that ends early
+    (:func:`_zero_padded`). Rows of the blocks at ``ahead`` and ``again`` are prefetched tile by
+    tile (0: none).
+    """
+    for t0 in range(0, num_tokens, ROWS):
+        prefetch_rows(ahead, row_bytes, t0, ROWS)
+        prefetch_rows(again, row_bytes, t0, ROWS)
+        rows, step = values + t0 * row_bytes, row_bytes
+        if num_tokens - t0 < ROWS:
+            rows, step = np.int64(tail), tail_step
+        _amx.accumulate(probs + t0 * 4, prob_step, rows + dims, step, two)
+
+
 @njit(parallel=True, **_JIT)
 def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_indptr, scale, window,
             soft_cap, alibi_slopes, out, lse, prefetch_blocks):
@@ -165,15 +186,11 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                                 prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head,
                                                              first, last, page_end, chunk_pages, True,
                                                              prefetch_blocks), row_bytes, 0, page_size)
-                            values = block_address(v_cache, block_table[seq, p], head)
-                            num_tokens = min(page_size, seq_len - p * page_size)
-                            for t0 in range(0, num_tokens, ROWS):
-                                rows, step = values + t0 * row_bytes, row_bytes
-                                if num_tokens - t0 < ROWS:
-                                    rows, step = np.int64(tail.ctypes.data), tail.strides[0]
-                                col = (p - first) * page_size + t0
-                                _amx.accumulate(spread.ctypes.data + g * ROWS * p_step + col * 4, p_step,
-                                                rows + c0 * CHUNK * 2, step, two)
+                            _accumulate_page(
+                                spread.ctypes.data + g * ROWS * p_step + (p - first) * page_size * 4,
+                                p_step, block_address(v_cache, block_table[seq, p], head), row_bytes,
+                                min(page_size, seq_len - p * page_size), tail.ctypes.data,
+                                tail.strides[0], c0 * CHUNK * 2, two, 0, 0)
                         _amx.store_sums(sums, a_step, two)
             for i in range(row_end - row_begin):
                 for g in range(group):
@@ -314,18 +331,12 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                                 ahead, again = _ahead(visits, num_visits,
                                                       span + head * (last - first) + p - first,
                                                       prefetch_blocks)
-                            values = block_address(v_cache, block_table[seq, p], head)
-                            num_tokens = min(page_size, seq_len - p * page_size)
-                            for t0 in range(0, num_tokens, ROWS):
-                                prefetch_rows(ahead, row_bytes, t0, ROWS)
-                                prefetch_rows(again, row_bytes, t0, ROWS)
-                                rows, step = values + t0 * row_bytes, row_bytes
-                                if num_tokens - t0 < ROWS:  # the zero-padded copy
-                                    rows = tails.ctypes.data + head * tails.strides[0]
-                                    step = tails.strides[1]
-                                col = (p - first) * page_size + t0
-                                _amx.accumulate(spread.ctypes.data + head * group * p_step + col * 4,
-                                                p_step, rows + c0 * CHUNK * 2, step, two)
+                            _accumulate_page(
+                                spread.ctypes.data + head * group * p_step + (p - first) * page_size * 4,
+                                p_step, block_address(v_cache, block_table[seq, p], head), row_bytes,
+                                min(page_size, seq_len - p * page_size),
+                                tails.ctypes.data + head * tails.strides[0], tails.strides[1],
+                                c0 * CHUNK * 2, two, ahead, again)
                         _amx.store_sums(sums, a_step, two)
             for h in range(num_q_heads):
                 if part < 0:
