@@ -42,12 +42,21 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pagekv.kernels.prefetch import CACHE_LINE, emit_prefetch
+
 ROWS = 16  # rows of every tile: query rows of a group, keys, value rows
 ROW_BYTES = 64  # bytes per tile row: 32 bfloat16 or 16 float32
 CHUNK = 32  # bfloat16 dims per tile row
 TILE_BYTES = ROWS * ROW_BYTES
 GROUPS = 4  # row groups whose scores one key tile feeds at once (tiles 4-7)
 CONFIG_BYTES = 64
+# Decode's prefetches go out from inside the tile instructions, a KiB per 32-dim chunk between the
+# products (:func:`score_tiles`, :func:`accumulate`), not 64-128 lines in a row before them.
+# Measured against that, AMX decode from memory (LLC evicted before each round, alternating rounds,
+# medians of time ratios): S1 0.91-0.99x the time (five runs), S2 0.93-0.94x, G7 0.91-0.93x; from
+# L2 0.93-1.00x. A guess at why (no performance counters on the VM): a burst of prefetches takes
+# every fill buffer for a memory latency, and the tile loads, which miss L1 too, wait behind it.
+PREFETCH_PER_CHUNK = ROWS * ROW_BYTES
 
 _ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask Linux for an extended-state component
 _XFEATURE_XTILEDATA = 18
@@ -171,18 +180,30 @@ def transpose_words(typingctx, source, source_step, target, target_step):
     return signature, codegen
 
 
+def _prefetch_bytes(builder, block, start, size):
+    """Prefetch (into L2) ``size`` bytes (a multiple of a cache line) from ``start`` bytes into the
+    block at address ``block``; nothing if it is 0. All three are i64 values."""
+    with builder.if_then(builder.icmp_unsigned("!=", block, ir.Constant(block.type, 0))):
+        first = builder.add(block, start)
+        with cgutils.for_range(builder, builder.udiv(size, _i64(CACHE_LINE))) as loop:
+            emit_prefetch(builder, builder.add(first, builder.mul(loop.index, _i64(CACHE_LINE))))
+
+
 @intrinsic
-def score_tiles(typingctx, queries, query_step, keys_t, groups, chunks, out, out_step):
+def score_tiles(typingctx, queries, query_step, keys_t, groups, chunks, out, out_step, ahead, again):
     """out[16g + r, t] = queries[16g + r] . key t, for ``groups`` (1-4) groups of 16 query rows
     and 16 keys (float32, out_step bytes per row).
 
     queries : the first query row (bfloat16, query_step bytes per row); keys_t : the 16 keys in
     B's layout, ``chunks`` (head_dim / 32) tiles of 16 rows x 64 bytes one after another.
+    ahead, again : addresses of ``chunks`` KiB to prefetch (decode: the 16 rows of a block it
+    reads next, as bfloat16 rows of head_dim = 32 chunks lie), a KiB per chunk between the tile
+    products; 0: none (see :data:`PREFETCH_PER_CHUNK`).
     """
-    signature = types.void(queries, query_step, keys_t, groups, chunks, out, out_step)
+    signature = types.void(queries, query_step, keys_t, groups, chunks, out, out_step, ahead, again)
 
     def codegen(context, builder, sig, args):
-        queries, query_step, keys_t, groups, chunks, out, out_step = args
+        queries, query_step, keys_t, groups, chunks, out, out_step, ahead, again = args
         group_bytes = builder.mul(query_step, _i64(ROWS))
 
         def emit(n):
@@ -192,11 +213,15 @@ def score_tiles(typingctx, queries, query_step, keys_t, groups, chunks, out, out
                 keys = builder.add(keys_t, builder.mul(loop.index, _i64(TILE_BYTES)))
                 _asm(builder, "tileloadd ($0,$1,1), %tmm1", keys, _i64(ROW_BYTES))
                 dims = builder.add(queries, builder.mul(loop.index, _i64(ROW_BYTES)))
+                kib = builder.mul(loop.index, _i64(PREFETCH_PER_CHUNK))
                 for g in range(n):
                     a = 0 if g % 2 == 0 else 2  # two A registers: a load need not wait for the last product
                     rows = builder.add(dims, builder.mul(group_bytes, _i64(g)))
                     _asm(builder, f"tileloadd ($0,$1,1), %tmm{a}", rows, query_step)
+                    if g == 0:
+                        _prefetch_bytes(builder, ahead, kib, _i64(PREFETCH_PER_CHUNK))
                     _product(builder, 4 + g, a, 1)
+                _prefetch_bytes(builder, again, kib, _i64(PREFETCH_PER_CHUNK))
             out_group = builder.mul(out_step, _i64(ROWS))
             for g in range(n):
                 _asm(builder, f"tilestored %tmm{4 + g}, ($0,$1,1)",
@@ -235,26 +260,32 @@ def _move_sums(text):
 
 
 @intrinsic
-def accumulate(typingctx, probs, prob_step, values, value_step, two):
+def accumulate(typingctx, probs, prob_step, values, value_step, two, ahead, again, span):
     """Sums of :func:`load_sums` += p x v for 16 rows, 16 tokens and one chunk of 32 dims (two
     if ``two``).
 
     probs : row 0's 16 probabilities spread to odd bfloat16 slots (the even ones 0; one slot
     past the 16th read too), prob_step bytes per row; values : token 0's first dim of the chunk
-    (bfloat16, value_step bytes per token).
+    (bfloat16, value_step bytes per token). ahead, again : addresses of ``span`` bytes (a multiple
+    of two cache lines) to prefetch, half after the loads, half between the products; 0: none.
     """
-    signature = types.void(probs, prob_step, values, value_step, two)
+    signature = types.void(probs, prob_step, values, value_step, two, ahead, again, span)
 
     def codegen(context, builder, sig, args):
-        probs, prob_step, values, value_step, two = args
+        probs, prob_step, values, value_step, two, ahead, again, span = args
         _asm(builder, "tileloadd ($0,$1,1), %tmm0", builder.add(probs, _i64(2)), prob_step)  # even
         _asm(builder, "tileloadd ($0,$1,1), %tmm1", probs, prob_step)  # odd
         _asm(builder, "tileloadd ($0,$1,1), %tmm2", values, value_step)
+        half = builder.udiv(span, _i64(2))
+        for block in (ahead, again):
+            _prefetch_bytes(builder, block, _i64(0), half)
         with builder.if_then(builder.icmp_unsigned("!=", two, ir.Constant(two.type, 0))):
             _asm(builder, "tileloadd ($0,$1,1), %tmm3", builder.add(values, _i64(ROW_BYTES)), value_step)
             _product(builder, 6, 0, 3)
             _product(builder, 7, 1, 3)
         _product(builder, 4, 0, 2)
+        for block in (ahead, again):
+            _prefetch_bytes(builder, block, half, half)
         _product(builder, 5, 1, 2)
         return context.get_dummy_value()
 

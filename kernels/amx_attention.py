@@ -96,6 +96,12 @@ def _zero_padded(v_cache, page, head, t0, n, tail):
 
 
 @njit(inline="always", **_JIT)
+def _rows_at(block, offset):
+    """The address ``offset`` bytes into the block at address ``block``; 0 (none) if it is 0."""
+    return block + offset if block != 0 else 0
+
+
+@njit(inline="always", **_JIT)
 def _accumulate_page(probs, prob_step, values, row_bytes, num_tokens, tail, tail_step, dims, two,
                      ahead, again):
     """The value sums loaded in tiles (:func:`_amx.load_sums`) += probabilities x one page's value
@@ -104,16 +110,15 @@ def _accumulate_page(probs, prob_step, values, row_bytes, num_tokens, tail, tail
     probs : address of the page's first spread probability of the rows' first row (prob_step
     bytes per row); values : the page's block address (row_bytes per token row), num_tokens of
     them valid; tail, tail_step : the zero-padded copy of a last tile that ends early
-    (:func:`_zero_padded`). Rows of the blocks at ``ahead`` and ``again`` are prefetched tile by
-    tile (0: none).
+    (:func:`_zero_padded`). The same rows of the blocks at ``ahead`` and ``again`` are prefetched
+    tile by tile, between the tile products (0: none).
     """
     for t0 in range(0, num_tokens, ROWS):
-        prefetch_rows(ahead, row_bytes, t0, ROWS)
-        prefetch_rows(again, row_bytes, t0, ROWS)
         rows, step = values + t0 * row_bytes, row_bytes
         if num_tokens - t0 < ROWS:
             rows, step = np.int64(tail), tail_step
-        _amx.accumulate(probs + t0 * 4, prob_step, rows + dims, step, two)
+        _amx.accumulate(probs + t0 * 4, prob_step, rows + dims, step, two, _rows_at(ahead, t0 * row_bytes),
+                        _rows_at(again, t0 * row_bytes), ROWS * row_bytes)
 
 
 @njit(parallel=True, **_JIT)
@@ -166,7 +171,8 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                         for g0 in range(0, groups, _amx.GROUPS):
                             _amx.score_tiles(q_bits.ctypes.data + g0 * ROWS * q_step, q_step,
                                              keys_t.ctypes.data, min(_amx.GROUPS, groups - g0), chunks,
-                                             scores.ctypes.data + g0 * ROWS * s_step + col * 4, s_step)
+                                             scores.ctypes.data + g0 * ROWS * s_step + col * 4, s_step,
+                                             0, 0)
                 _scale(scores, num_rows, num_cols, scale)
                 masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
                 _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
@@ -299,12 +305,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                                               prefetch_blocks)
                         keys = block_address(k_cache, block_table[seq, p], head)
                         for t0 in range(0, min(page_size, seq_len - p * page_size), ROWS):
-                            prefetch_rows(ahead, row_bytes, t0, ROWS)
-                            prefetch_rows(again, row_bytes, t0, ROWS)
                             col = (p - first) * page_size + t0
                             _amx.score_tiles(keys + t0 * row_bytes, row_bytes, queries, 1, chunks,
                                              scores_by_key.ctypes.data + col * k_step + head * group * 4,
-                                             k_step)
+                                             k_step, _rows_at(ahead, t0 * row_bytes),
+                                             _rows_at(again, t0 * row_bytes))
                 for t0 in range(0, num_cols, ROWS):  # one query row per row, 16 x 16 at a time
                     for r0 in range(0, padded_rows, ROWS):
                         _amx.transpose_words(scores_by_key.ctypes.data + t0 * k_step + r0 * 4, k_step,

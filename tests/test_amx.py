@@ -68,9 +68,10 @@ def _one_tile(queries, keys_t, scores, probs, values, acc):
     _amx.configure(config.ctypes.data)
     groups = queries.shape[0] // 16
     _amx.score_tiles(queries.ctypes.data, queries.strides[0], keys_t.ctypes.data, groups,
-                     keys_t.shape[0], scores.ctypes.data, scores.strides[0])
+                     keys_t.shape[0], scores.ctypes.data, scores.strides[0], 0, 0)
     _amx.load_sums(acc.ctypes.data, acc.strides[0], True)
-    _amx.accumulate(probs.ctypes.data, probs.strides[0], values.ctypes.data, values.strides[0], True)
+    _amx.accumulate(probs.ctypes.data, probs.strides[0], values.ctypes.data, values.strides[0], True,
+                    0, 0, 0)
     _amx.store_sums(acc.ctypes.data, acc.strides[0], True)
     _amx.release()
 
@@ -174,7 +175,7 @@ def _decode_scores(keys, q_t, group, scores):
     configs = _amx.decode_configs(group)
     _amx.configure(configs.ctypes.data)
     _amx.score_tiles(keys.ctypes.data, keys.strides[0], q_t.ctypes.data, 1, q_t.shape[0],
-                     scores.ctypes.data, scores.strides[0])
+                     scores.ctypes.data, scores.strides[0], 0, 0)
     _amx.release()
 
 
