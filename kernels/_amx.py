@@ -180,13 +180,14 @@ def transpose_words(typingctx, source, source_step, target, target_step):
     return signature, codegen
 
 
-def _prefetch_bytes(builder, block, start, size):
-    """Prefetch (into L2) ``size`` bytes (a multiple of a cache line) from ``start`` bytes into the
-    block at address ``block``; nothing if it is 0. All three are i64 values."""
+def _prefetch_bytes(builder, block, start, size, into_l1=False):
+    """Prefetch (into L2; into L1 too if ``into_l1``) ``size`` bytes (a multiple of a cache line)
+    from ``start`` bytes into the block at address ``block``; nothing if it is 0. All three are i64
+    values."""
     with builder.if_then(builder.icmp_unsigned("!=", block, ir.Constant(block.type, 0))):
         first = builder.add(block, start)
         with cgutils.for_range(builder, builder.udiv(size, _i64(CACHE_LINE))) as loop:
-            emit_prefetch(builder, builder.add(first, builder.mul(loop.index, _i64(CACHE_LINE))))
+            emit_prefetch(builder, builder.add(first, builder.mul(loop.index, _i64(CACHE_LINE))), into_l1)
 
 
 @intrinsic
@@ -198,7 +199,7 @@ def score_tiles(typingctx, queries, query_step, keys_t, groups, chunks, out, out
     B's layout, ``chunks`` (head_dim / 32) tiles of 16 rows x 64 bytes one after another.
     ahead, again : addresses of ``chunks`` KiB to prefetch (decode: the 16 rows of a block it
     reads next, as bfloat16 rows of head_dim = 32 chunks lie), a KiB per chunk between the tile
-    products; 0: none (see :data:`PREFETCH_PER_CHUNK`).
+    products, ``again`` (the near request) into L1 too; 0: none (see :data:`PREFETCH_PER_CHUNK`).
     """
     signature = types.void(queries, query_step, keys_t, groups, chunks, out, out_step, ahead, again)
 
@@ -221,7 +222,7 @@ def score_tiles(typingctx, queries, query_step, keys_t, groups, chunks, out, out
                     if g == 0:
                         _prefetch_bytes(builder, ahead, kib, _i64(PREFETCH_PER_CHUNK))
                     _product(builder, 4 + g, a, 1)
-                _prefetch_bytes(builder, again, kib, _i64(PREFETCH_PER_CHUNK))
+                _prefetch_bytes(builder, again, kib, _i64(PREFETCH_PER_CHUNK), True)
             out_group = builder.mul(out_step, _i64(ROWS))
             for g in range(n):
                 _asm(builder, f"tilestored %tmm{4 + g}, ($0,$1,1)",
@@ -267,7 +268,8 @@ def accumulate(typingctx, probs, prob_step, values, value_step, two, ahead, agai
     probs : row 0's 16 probabilities spread to odd bfloat16 slots (the even ones 0; one slot
     past the 16th read too), prob_step bytes per row; values : token 0's first dim of the chunk
     (bfloat16, value_step bytes per token). ahead, again : addresses of ``span`` bytes (a multiple
-    of two cache lines) to prefetch, half after the loads, half between the products; 0: none.
+    of two cache lines) to prefetch as :func:`score_tiles` does, half after the loads, half between
+    the products.
     """
     signature = types.void(probs, prob_step, values, value_step, two, ahead, again, span)
 
@@ -277,15 +279,15 @@ def accumulate(typingctx, probs, prob_step, values, value_step, two, ahead, agai
         _asm(builder, "tileloadd ($0,$1,1), %tmm1", probs, prob_step)  # odd
         _asm(builder, "tileloadd ($0,$1,1), %tmm2", values, value_step)
         half = builder.udiv(span, _i64(2))
-        for block in (ahead, again):
-            _prefetch_bytes(builder, block, _i64(0), half)
+        _prefetch_bytes(builder, ahead, _i64(0), half)
+        _prefetch_bytes(builder, again, _i64(0), half, True)
         with builder.if_then(builder.icmp_unsigned("!=", two, ir.Constant(two.type, 0))):
             _asm(builder, "tileloadd ($0,$1,1), %tmm3", builder.add(values, _i64(ROW_BYTES)), value_step)
             _product(builder, 6, 0, 3)
             _product(builder, 7, 1, 3)
         _product(builder, 4, 0, 2)
-        for block in (ahead, again):
-            _prefetch_bytes(builder, block, half, half)
+        _prefetch_bytes(builder, ahead, half, half)
+        _prefetch_bytes(builder, again, half, half, True)
         _product(builder, 5, 1, 2)
         return context.get_dummy_value()
 

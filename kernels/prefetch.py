@@ -20,7 +20,9 @@ caches flushed: bfloat16 decode 1.07-1.10x faster at S1/S2/S3 and 1.03-1.15x at 
 MHA shapes, float32 MHA 1.02-1.19x; the extra instructions cost 6-26% when the pages are in
 cache. Numba's loops (float16 pages, other head_dims) and prefill ask once: it gained 0-2%
 from memory (measured on the loops over float32 GQA pages, which then were decode's path) or
-lost 1-4% (prefill, compute-bound), and cost 9-13% from cache.
+lost 1-4% (prefill, compute-bound), and cost 9-13% from cache. On the Intel Xeon the second
+request paid too (AMX decode from memory, S1: 1.10x the time without it); the AMX decode sends
+both from inside its tile instructions, the near one into L1 (kernels/_amx.py).
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]
@@ -30,16 +32,21 @@ from numba.extending import intrinsic
 CACHE_LINE = 64
 # llvm.prefetch locality 2 = prefetcht1: into L2, not L1. Blocks arrive a few KiB before they are
 # read; in L1 (locality 3) they evicted the rows being computed and the stream gained nothing.
+# The AMX decode's second, near request (a few KiB ahead) does go into L1 (prefetcht0): from
+# memory 0.94-1.00x the time (S1 0.97, 0.99, 1.00; S2 0.94, 0.95; G3 1.00), from L2 0.92x.
 _LOCALITY_L2 = 2
+_LOCALITY_L1 = 3
 
 
-def emit_prefetch(builder, address):
-    """Emit ``llvm.prefetch`` (read, into L2) of an integer address with an llvmlite builder."""
+def emit_prefetch(builder, address, into_l1=False):
+    """Emit ``llvm.prefetch`` (read, into L2; into L1 too if ``into_l1``) of an integer address with
+    an llvmlite builder."""
     i8p = ir.IntType(8).as_pointer()
     i32 = ir.IntType(32)
     fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
         ir.VoidType(), [i8p, i32, i32, i32]))
-    builder.call(fn, [builder.inttoptr(address, i8p), i32(0), i32(_LOCALITY_L2), i32(1)])
+    locality = _LOCALITY_L1 if into_l1 else _LOCALITY_L2
+    builder.call(fn, [builder.inttoptr(address, i8p), i32(0), i32(locality), i32(1)])
 
 
 @intrinsic
