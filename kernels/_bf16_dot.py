@@ -173,11 +173,11 @@ def _zero_accumulators(builder, count):
 
 
 def _prefetch_if(builder, blocks, offset):
-    """Prefetch block + offset for each of the two block addresses (far ahead, and again nearer:
-    kernels/prefetch.py) that is not 0 (no block to prefetch)."""
-    for block in blocks:
+    """Prefetch block + offset for each of the two block addresses (far ahead into L2, and again
+    nearer into L1: kernels/prefetch.py) that is not 0 (no block to prefetch)."""
+    for near, block in enumerate(blocks):
         with builder.if_then(builder.icmp_unsigned("!=", block, ir.Constant(block.type, 0))):
-            emit_prefetch(builder, builder.add(block, offset))
+            emit_prefetch(builder, builder.add(block, offset), into_l1=bool(near))
 
 
 def _load_f16(builder, address):

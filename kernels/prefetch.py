@@ -21,8 +21,9 @@ MHA shapes, float32 MHA 1.02-1.19x; the extra instructions cost 6-26% when the p
 cache. Numba's loops (float16 pages, other head_dims) and prefill ask once: it gained 0-2%
 from memory (measured on the loops over float32 GQA pages, which then were decode's path) or
 lost 1-4% (prefill, compute-bound), and cost 9-13% from cache. On the Intel Xeon the second
-request paid too (AMX decode from memory, S1: 1.10x the time without it); the AMX decode sends
-both from inside its tile instructions, the near one into L1 (kernels/_amx.py).
+request paid too (AMX decode from memory, S1: 1.10x the time without it); there the near one
+goes into L1 (below), and the AMX decode sends both from inside its tile instructions
+(kernels/_amx.py).
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]
@@ -32,8 +33,10 @@ from numba.extending import intrinsic
 CACHE_LINE = 64
 # llvm.prefetch locality 2 = prefetcht1: into L2, not L1. Blocks arrive a few KiB before they are
 # read; in L1 (locality 3) they evicted the rows being computed and the stream gained nothing.
-# The AMX decode's second, near request (a few KiB ahead) does go into L1 (prefetcht0): from
-# memory 0.94-1.00x the time (S1 0.97, 0.99, 1.00; S2 0.94, 0.95; G3 1.00), from L2 0.92x.
+# Decode's second, near request (a few KiB ahead) does go into L1 (prefetcht0). Measured on the
+# Intel Xeon, alternating rounds: AMX decode from memory 0.94-1.00x the time (S1 0.97, 0.99, 1.00;
+# S2 0.94, 0.95; G3 1.00), from L2 0.92x; the vdpbf16ps and float32 tiles from memory 0.94-0.98x
+# (S1/S2/S3 float32, S3/G2 bfloat16), from L2 0.85x (S1 float32) and 0.92x (S3 bfloat16).
 _LOCALITY_L2 = 2
 _LOCALITY_L1 = 3
 
