@@ -28,7 +28,11 @@ Every tile is 16 rows x 64 bytes (16 float32 or 32 bfloat16):
   pairs of dims per row), A = the probabilities spread to even or to odd bfloat16 slots (zeros
   between), so each pair of dims meets one probability per token: the even dims sum in one C tile,
   the odd ones in another (:func:`acc_dim`). That takes twice the tile products of value rows
-  interleaved in pairs, and no interleaving.
+  interleaved in pairs, and no interleaving. Decode, with at most 8 query rows per set, stacks
+  both spreads of a row in one A tile (two rows per query row), so one product per 32 dims sums
+  the even dims in one C row and the odd ones in the next (:func:`accumulate_stacked`): from L2
+  0.77-0.81x the time of two products per chunk (S1), from memory 0.91-0.97x (S1, S2, G3, G7);
+  a group of 9-16 (two sets: the same products and loads as before, plus the stacking) 1.07x.
 """
 
 import ctypes
@@ -49,6 +53,8 @@ ROW_BYTES = 64  # bytes per tile row: 32 bfloat16 or 16 float32
 CHUNK = 32  # bfloat16 dims per tile row
 TILE_BYTES = ROWS * ROW_BYTES
 GROUPS = 4  # row groups whose scores one key tile feeds at once (tiles 4-7)
+SUM_TILES = 4  # tiles of value sums (4-7)
+SET_ROWS = ROWS // 2  # decode's most query rows per A tile of values: two tile rows each
 CONFIG_BYTES = 64
 # Decode's prefetches go out from inside the tile instructions, a KiB per 32-dim chunk between the
 # products (:func:`score_tiles`, :func:`accumulate`), not 64-128 lines in a row before them.
@@ -235,60 +241,95 @@ def score_tiles(typingctx, queries, query_step, keys_t, groups, chunks, out, out
 
 
 @intrinsic
-def load_sums(typingctx, acc, acc_step, two):
-    """Load the value sums of 16 rows x one chunk of 32 dims (tiles 4, 5), and the next chunk's
-    (tiles 6, 7) if ``two``: acc is the first row's chunk (float32, acc_step bytes per row)."""
-    return types.void(acc, acc_step, two), _move_sums("tileloadd ($0,$1,1), %tmm{}")
+def load_sums(typingctx, sums, tile_step, row_step, count):
+    """Load ``count`` (1-4) tiles of value sums into tiles 4, 5, ...: tile 4 + i from address
+    sums + i tile_step, its rows row_step bytes apart (float32)."""
+    return types.void(sums, tile_step, row_step, count), _move_sums("tileloadd ($0,$1,1), %tmm{}")
 
 
 @intrinsic
-def store_sums(typingctx, acc, acc_step, two):
+def store_sums(typingctx, sums, tile_step, row_step, count):
     """Store what :func:`load_sums` loaded, back where it came from."""
-    return types.void(acc, acc_step, two), _move_sums("tilestored %tmm{}, ($0,$1,1)")
+    return types.void(sums, tile_step, row_step, count), _move_sums("tilestored %tmm{}, ($0,$1,1)")
 
 
 def _move_sums(text):
     def codegen(context, builder, sig, args):
-        acc, acc_step, two = args
-        for tile, offset in ((4, 0), (5, ROW_BYTES)):
-            _asm(builder, text.format(tile), builder.add(acc, _i64(offset)), acc_step)
-        with builder.if_then(builder.icmp_unsigned("!=", two, ir.Constant(two.type, 0))):
-            for tile, offset in ((6, 2 * ROW_BYTES), (7, 3 * ROW_BYTES)):
-                _asm(builder, text.format(tile), builder.add(acc, _i64(offset)), acc_step)
+        sums, tile_step, row_step, count = args
+        for i in range(4):
+            with builder.if_then(builder.icmp_unsigned(">", count, ir.Constant(count.type, i))):
+                _asm(builder, text.format(4 + i), builder.add(sums, builder.mul(tile_step, _i64(i))), row_step)
         return context.get_dummy_value()
 
     return codegen
 
 
 @intrinsic
-def accumulate(typingctx, probs, prob_step, values, value_step, two, ahead, again, span):
+def accumulate(typingctx, probs, prob_step, values, value_step, two):
     """Sums of :func:`load_sums` += p x v for 16 rows, 16 tokens and one chunk of 32 dims (two
-    if ``two``).
+    if ``two``): prefill's values.
 
     probs : row 0's 16 probabilities spread to odd bfloat16 slots (the even ones 0; one slot
     past the 16th read too), prob_step bytes per row; values : token 0's first dim of the chunk
-    (bfloat16, value_step bytes per token). ahead, again : addresses of ``span`` bytes (a multiple
-    of two cache lines) to prefetch as :func:`score_tiles` does, half after the loads, half between
-    the products.
+    (bfloat16, value_step bytes per token).
     """
-    signature = types.void(probs, prob_step, values, value_step, two, ahead, again, span)
+    signature = types.void(probs, prob_step, values, value_step, two)
 
     def codegen(context, builder, sig, args):
-        probs, prob_step, values, value_step, two, ahead, again, span = args
+        probs, prob_step, values, value_step, two = args
         _asm(builder, "tileloadd ($0,$1,1), %tmm0", builder.add(probs, _i64(2)), prob_step)  # even
         _asm(builder, "tileloadd ($0,$1,1), %tmm1", probs, prob_step)  # odd
         _asm(builder, "tileloadd ($0,$1,1), %tmm2", values, value_step)
-        half = builder.udiv(span, _i64(2))
-        _prefetch_bytes(builder, ahead, _i64(0), half)
-        _prefetch_bytes(builder, again, _i64(0), half, True)
         with builder.if_then(builder.icmp_unsigned("!=", two, ir.Constant(two.type, 0))):
             _asm(builder, "tileloadd ($0,$1,1), %tmm3", builder.add(values, _i64(ROW_BYTES)), value_step)
             _product(builder, 6, 0, 3)
             _product(builder, 7, 1, 3)
         _product(builder, 4, 0, 2)
-        _prefetch_bytes(builder, ahead, half, half)
-        _prefetch_bytes(builder, again, half, half, True)
         _product(builder, 5, 1, 2)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def accumulate_stacked(typingctx, probs, set_step, prob_step, sets, values, value_step, chunks, ahead,
+                       again, span):
+    """Value sums in tiles 4-7 += p x v for 16 tokens (decode): ``sets`` (1 or 2) sets of up to 8
+    query rows times ``chunks`` (at most 4 // sets) 32-dim chunks of the value rows, one tile
+    product per set and chunk, into tile 4 + chunk * sets + set.
+
+    probs : set 0's A tile (set 1's set_step bytes on), two rows per query row: its 16
+    probabilities in the even bfloat16 slots (the odd ones 0), then in the odd slots (prob_step
+    bytes per row); values : token 0's first dim (bfloat16, value_step bytes per token). A sum
+    tile then holds, per query row, the chunk's even dims in one row and its odd dims in the next
+    (:func:`acc_dim`'s order within 32). ahead, again : as in :func:`score_tiles`, ``span`` bytes
+    of each (a multiple of four cache lines), in equal parts after each chunk's products.
+    """
+    signature = types.void(probs, set_step, prob_step, sets, values, value_step, chunks, ahead, again, span)
+
+    def codegen(context, builder, sig, args):
+        probs, set_step, prob_step, sets, values, value_step, chunks, ahead, again, span = args
+
+        def emit(num_sets):
+            for a in range(num_sets):
+                _asm(builder, f"tileloadd ($0,$1,1), %tmm{a}", builder.add(probs, builder.mul(set_step, _i64(a))),
+                     prob_step)
+            parts = SUM_TILES // num_sets
+            part = builder.udiv(span, _i64(parts))
+            for c in range(parts):
+                b = 2 + c % 2  # two B registers: a load need not wait for the last products
+                with builder.if_then(builder.icmp_unsigned(">", chunks, ir.Constant(chunks.type, c))):
+                    _asm(builder, f"tileloadd ($0,$1,1), %tmm{b}", builder.add(values, _i64(c * ROW_BYTES)),
+                         value_step)
+                    for a in range(num_sets):
+                        _product(builder, 4 + c * num_sets + a, a, b)
+                offset = builder.mul(part, _i64(c))
+                _prefetch_bytes(builder, ahead, offset, part)
+                _prefetch_bytes(builder, again, offset, part, True)
+
+        for num_sets in (1, 2):
+            with builder.if_then(builder.icmp_signed("==", sets, ir.Constant(sets.type, num_sets))):
+                emit(num_sets)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -321,8 +362,9 @@ def decode_configs(group):
     0. scores, S^T = K Q^T: tile 0 (A) 16 key rows x 64 bytes as they lie in a page, tile 1 (B)
        16 pairs of dims x ``group`` queries, tile 4 (C) 16 keys x ``group`` float32
        (:func:`score_tiles` with one row group);
-    1. values: tiles 0, 1 (A, the spread probabilities) and 4-7 (the sums) ``group`` rows x 64
-       bytes, tiles 2, 3 (B, value rows) 16 x 64 bytes (:func:`accumulate`).
+    1. values: tiles 0, 1 (A, the probabilities) and 4-7 (the sums) two rows per query row of a
+       set of up to :data:`SET_ROWS` (the group in one set, or two) x 64 bytes, tiles 2, 3 (B,
+       value rows) 16 x 64 bytes (:func:`accumulate_stacked`).
     """
     configs = np.zeros((2, CONFIG_BYTES), np.uint8)
     configs[:, 0] = 1
@@ -330,8 +372,20 @@ def decode_configs(group):
     _set_tile(configs[0], 1, ROWS, 4 * group)
     _set_tile(configs[0], 4, ROWS, 4 * group)
     for tile in range(8):
-        _set_tile(configs[1], tile, ROWS if tile in (2, 3) else group, ROW_BYTES)
+        _set_tile(configs[1], tile, ROWS if tile in (2, 3) else 2 * value_set_rows(group), ROW_BYTES)
     return configs
+
+
+@njit(cache=True, nogil=True)
+def value_sets(group):
+    """How many sets of query rows decode's value tiles take a GQA group of ``group`` in (1 or 2)."""
+    return -(-group // SET_ROWS)
+
+
+@njit(cache=True, nogil=True)
+def value_set_rows(group):
+    """Query rows per set of decode's value tiles (the last set may hold fewer)."""
+    return -(-group // value_sets(group))
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -29,6 +29,7 @@ from numba import njit, prange
 from pagekv.kernels import _amx
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
+from pagekv.kernels._math import fast_exp
 from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _finish_row, _prefill_ahead,
                                       _slot_scratch, _softmax_update, _start_decode_item, _start_item)
 from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_rows
@@ -43,14 +44,17 @@ def applies(k_cache, kv_format, dot_products):
                 and head_dim % CHUNK == 0 and page_size % ROWS == 0)
 
 
-# Decode takes AMX for GQA groups of 3-16 query rows (16: one tile's rows) and head_dim up to 128.
+# Decode takes AMX for GQA groups of 2-16 query rows (16: one tile's rows) and head_dim up to 128.
 # Measured against the vdpbf16ps kernel on the Intel Xeon VM (time ratios, alternating rounds in one
 # process; "memory" with the 300 MiB L3 evicted before each round, "L2" with every page mapped onto
 # 1 MiB): group 4 / head_dim 128 (S1) 0.91 memory, 0.78 L2; 3 / 128: 0.97, 0.78; 7 / 128: 0.71, 0.49;
-# 16 / 128: 0.49, 0.39; 4 / 64: 0.92, 0.75; 4 / 96: 1.02, 0.82. Slower: MHA (group 1, S3) 1.02,
-# 1.00; group 2 / 128: 1.04, 1.07; 2 / 256: 1.26, 1.18; 4 / 256: 1.06-1.11 from memory (0.62 L2).
-# The score tiles cost the same for any group (16 keys per row), so small groups favour vdpbf16ps.
-DECODE_GROUPS = (3, ROWS)
+# 16 / 128: 0.49, 0.39; 4 / 64: 0.92, 0.75; 4 / 96: 1.02, 0.82 — before the stacked value tiles
+# (kernels/_amx.py), which took groups 3-8 to 0.77-0.81x that time from L2, 0.91-0.97x from memory.
+# With them: group 2 / 128 0.94 memory (twice), 0.70 L2. Not taken: MHA (group 1) / 128 1.00, 1.09;
+# / 64 (S3) 0.97-1.01, 0.75; head_dim 256 (group 2: 1.26, 1.18; 4: 1.06-1.11 from memory, 0.62 L2,
+# before the stacked tiles). The score tiles cost the same for any group (16 keys per row), so the
+# smallest groups favour vdpbf16ps.
+DECODE_GROUPS = (2, ROWS)
 DECODE_MAX_HEAD_DIM = 128
 
 
@@ -87,6 +91,63 @@ def _spread(scores, num_rows, num_cols, spread):
 
 
 @njit(**_JIT)
+def _spread_pairs(scores, num_rows, group, set_rows, num_cols, spread):
+    """Decode's probabilities as the A tiles of :func:`_amx.accumulate_stacked`: per KV head and set
+    of ``set_rows`` query rows of its group, two rows per query row, bfloat16 in the low half of
+    each word, then in the high half (the other half 0); 0 for the columns past num_cols up to the
+    next multiple of 16, and rows past the group stay 0.
+
+    scores : float32 [rows, cols], its first num_rows (num_q_heads) read; spread : uint32
+    [num_kv_heads * num_sets * 2 * set_rows, cols], zeroed when allocated.
+    """
+    num_sets = -(-group // set_rows)
+    padded = min(-(-num_cols // ROWS) * ROWS, scores.shape[1])
+    for q in range(num_rows):
+        head, g = q // group, q % group
+        r = 2 * ((head * num_sets + g // set_rows) * set_rows + g % set_rows)
+        for t in range(num_cols):
+            bits = np.uint32(bf16.to_bf16(scores[q, t]))
+            spread[r, t] = bits
+            spread[r + 1, t] = bits << np.uint32(16)
+        for t in range(num_cols, padded):
+            spread[r, t] = 0
+            spread[r + 1, t] = 0
+
+
+@njit(**_JIT)
+def _rescale_sums(m_before, m, group, set_rows, num_sets, sums):
+    """Rescale the value sums of each query row whose running max rose from m_before to m, as
+    :func:`pagekv.kernels.attention._softmax_update` would rescale its acc row (the same factor).
+
+    m_before, m : float32 [num_q_heads]; sums : as in :func:`decode` (float32 [num_kv_heads,
+    chunks * num_sets, set_rows, 32]).
+    """
+    for q in range(m_before.shape[0]):
+        if m[q] != m_before[q]:
+            alpha = fast_exp(m_before[q] - m[q])  # 0 from the first chunk's -inf
+            head, g = q // group, q % group
+            for tile in range(g // set_rows, sums.shape[1], num_sets):
+                for j in range(CHUNK):
+                    sums[head, tile, g % set_rows, j] *= alpha
+
+
+@njit(**_JIT)
+def _sums_to_acc(sums, group, set_rows, num_sets, acc):
+    """acc[q] = the value sums of query row q from the tiles' layout (as :func:`_finish_row` reads
+    them: a chunk's 16 even then 16 odd dims, :func:`_amx.acc_dim`).
+
+    sums : float32 [num_kv_heads, chunks * num_sets, set_rows, 32], tile c * num_sets + s of a KV
+    head holding chunk c of its query rows' set s (:func:`_amx.accumulate_stacked`); acc : float32
+    [rows, head_dim], its first num_q_heads rows written.
+    """
+    for q in range(sums.shape[0] * group):
+        head, g = q // group, q % group
+        for c in range(sums.shape[1] // num_sets):
+            for j in range(CHUNK):
+                acc[q, c * CHUNK + j] = sums[head, c * num_sets + g // set_rows, g % set_rows, j]
+
+
+@njit(**_JIT)
 def _zero_padded(v_cache, page, head, t0, n, tail):
     """tail[:n] = value rows t0 .. t0 + n - 1 of block (page, head), tail[n:] = 0: a page's rows
     past seq_len may hold anything, NaN included, and 0 x NaN would spoil the sums."""
@@ -102,23 +163,27 @@ def _rows_at(block, offset):
 
 
 @njit(inline="always", **_JIT)
-def _accumulate_page(probs, prob_step, values, row_bytes, num_tokens, tail, tail_step, dims, two,
-                     ahead, again, share):
-    """The value sums loaded in tiles (:func:`_amx.load_sums`) += probabilities x one page's value
-    rows, 16 at a time: dims ``dims // 2`` onward, one chunk of 32 (two if ``two``).
+def _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step):
+    """Address and row step of the 16 value rows from token t0 of a page's block at address
+    ``values`` (num_tokens of its rows valid): the block's own, or where fewer than 16 are left,
+    the zero-padded copy at address ``tail`` (:func:`_zero_padded`)."""
+    if num_tokens - t0 < ROWS:
+        return np.int64(tail), tail_step
+    return values + t0 * row_bytes, row_bytes
+
+
+@njit(inline="always", **_JIT)
+def _accumulate_page(probs, prob_step, values, row_bytes, num_tokens, tail, tail_step, dims, two):
+    """Prefill's value sums loaded in tiles (:func:`_amx.load_sums`) += probabilities x one page's
+    value rows, 16 at a time: dims ``dims // 2`` onward, one chunk of 32 (two if ``two``).
 
     probs : address of the page's first spread probability of the rows' first row (prob_step
     bytes per row); values : the page's block address (row_bytes per token row), num_tokens of
-    them valid; tail, tail_step : the zero-padded copy of a last tile that ends early
-    (:func:`_zero_padded`). Per 16 rows, ``share`` bytes from the same rows of the blocks at
-    ``ahead`` and ``again`` (addresses, 0: none) are prefetched, between the tile products.
+    them valid; tail, tail_step : the zero-padded copy of a last tile that ends early.
     """
     for t0 in range(0, num_tokens, ROWS):
-        rows, step = values + t0 * row_bytes, row_bytes
-        if num_tokens - t0 < ROWS:
-            rows, step = np.int64(tail), tail_step
-        _amx.accumulate(probs + t0 * 4, prob_step, rows + dims, step, two, _rows_at(ahead, t0 * row_bytes),
-                        _rows_at(again, t0 * row_bytes), share)
+        rows, step = _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step)
+        _amx.accumulate(probs + t0 * 4, prob_step, rows + dims, step, two)
 
 
 @njit(parallel=True, **_JIT)
@@ -186,7 +251,7 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                     for c0 in range(0, chunks, 2):
                         two = c0 + 1 < chunks
                         sums = acc.ctypes.data + g * ROWS * a_step + c0 * CHUNK * 4
-                        _amx.load_sums(sums, a_step, two)
+                        _amx.load_sums(sums, ROW_BYTES, a_step, 4 if two else 2)
                         for p in range(first, last):
                             if g == 0 and c0 == 0:
                                 prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head,
@@ -196,8 +261,8 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                                 spread.ctypes.data + g * ROWS * p_step + (p - first) * page_size * 4,
                                 p_step, block_address(v_cache, block_table[seq, p], head), row_bytes,
                                 min(page_size, seq_len - p * page_size), tail.ctypes.data,
-                                tail.strides[0], c0 * CHUNK * 2, two, 0, 0, 0)
-                        _amx.store_sums(sums, a_step, two)
+                                tail.strides[0], c0 * CHUNK * 2, two)
+                        _amx.store_sums(sums, ROW_BYTES, a_step, 4 if two else 2)
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g
@@ -263,8 +328,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     Per chunk of pages, head by head (the value sums of a head stay in tiles across the chunk's
     pages, so the blocks are visited head-major, and prefetched in that order: :func:`_visits`):
     scores as S^T = K Q^T, a page's key rows as they lie times the group's queries in pairs of
-    dims (:func:`_queries_by_pairs`), then the softmax over every head's rows, then the values
-    as in :func:`prefill`, 64 dims per pass over the chunk's pages.
+    dims (:func:`_queries_by_pairs`), then the softmax over every head's rows, then the values:
+    the probabilities of up to 8 query rows stacked in one A tile, in even bfloat16 slots and
+    again in odd ones (:func:`_spread_pairs`), so that one tile product per 16 tokens and 32 dims
+    sums both halves of the dims (:func:`_amx.accumulate_stacked`), 128 dims per pass over the
+    chunk's pages (64 for a group of two sets).
     """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_q_heads = q.shape[1]
@@ -274,27 +342,37 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     cols = chunk_pages * page_size
     padded_rows = -(-num_q_heads // ROWS) * ROWS
     row_bytes = k_cache.strides[2]
-    # Each pass over a head's value blocks (64 dims) prefetches its share of the rows ahead, so the
-    # requests go out at an even pace: from memory, S1 0.95-0.97x, S2 0.93-0.94x, G3 0.93x the time
-    # of the first pass asking for all of them (and the others for none). Rounded up to two lines
-    # (accumulate prefetches it in halves).
-    share = -(-ROWS * row_bytes // (-(-chunks // 2) * 2 * CACHE_LINE)) * 2 * CACHE_LINE
+    num_sets, set_rows = _amx.value_sets(group), _amx.value_set_rows(group)
+    pass_chunks = _amx.SUM_TILES // num_sets  # 32-dim chunks per pass over a head's value blocks
+    # Where a head's value blocks are read in more than one pass (head_dim over 128, or 64 for a
+    # group of more than 8), each pass prefetches its share of the rows ahead, so the requests go
+    # out at an even pace: from memory, S1 0.95-0.97x, S2 0.93-0.94x, G3 0.93x the time of the
+    # first pass asking for all of them (measured with two passes per head). Rounded up to four
+    # lines (accumulate_stacked prefetches it in up to four parts).
+    quad = 4 * CACHE_LINE
+    share = -(-ROWS * row_bytes // (-(-chunks // pass_chunks) * quad)) * quad
     configs = _amx.decode_configs(group)
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(padded_rows, cols, head_dim)
         scores_by_key = np.empty((cols, padded_rows), np.float32)  # the score tiles' layout
         q_bits = np.empty((num_q_heads, head_dim), np.uint16)
         q_t = np.zeros((num_kv_heads, chunks, ROWS, ROWS), np.uint32)
-        spread = np.zeros((num_q_heads, cols + 1), np.uint32)
+        spread = np.zeros((num_kv_heads * num_sets * 2 * set_rows, cols), np.uint32)
+        # The value sums in the tiles' layout for the whole item (acc gets them at its end): tile
+        # c * num_sets + s of a head holds chunk c of its set s (:func:`_sums_to_acc`).
+        sums = np.empty((num_kv_heads, chunks * num_sets, set_rows, CHUNK), np.float32)
+        m_before = np.empty(num_q_heads, np.float32)
+        no_acc = acc[:, :0]  # _softmax_update rescales no acc here: _rescale_sums does, on sums
         tails = np.zeros((num_kv_heads, ROWS, head_dim), np.uint16)
         visits = np.empty(3 * chunk_pages * num_kv_heads, np.int64)
-        a_step, p_step = acc.strides[0], spread.strides[0]
+        p_step = spread.strides[0]
         s_step, k_step = scores.strides[0], scores_by_key.strides[0]
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
             _start_decode_item(q, seq, seq_len, scale, True, qs, q_bits, acc, m, l, qpos)
             _queries_by_pairs(q_bits, group, q_t)
+            sums[:] = 0
             for first in range(page_begin, page_end, chunk_pages):
                 last = min(first + chunk_pages, page_end)
                 key0 = first * page_size
@@ -321,9 +399,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                                              scores.ctypes.data + r0 * s_step + t0 * 4, s_step)
                 _scale(scores, num_q_heads, num_cols, scale)
                 masked = window > 0 and key0 <= seq_len - 1 - window
+                m_before[:] = m[:num_q_heads]
                 _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
-                                soft_cap, alibi_slopes, m, l, acc)
-                _spread(scores, num_q_heads, num_cols, spread)
+                                soft_cap, alibi_slopes, m, l, no_acc)
+                _rescale_sums(m_before, m, group, set_rows, num_sets, sums)
+                _spread_pairs(scores, num_q_heads, group, set_rows, num_cols, spread)
                 last_tokens = min(page_size, seq_len - (last - 1) * page_size)
                 if last_tokens % ROWS:  # the sequence's last page ends inside a tile
                     for head in range(num_kv_heads):
@@ -331,21 +411,28 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                                      last_tokens - last_tokens % ROWS, last_tokens % ROWS, tails[head])
                 _amx.configure(configs.ctypes.data + _amx.CONFIG_BYTES)
                 for head in range(num_kv_heads):
-                    for c0 in range(0, chunks, 2):
-                        two = c0 + 1 < chunks
-                        sums = acc.ctypes.data + head * group * a_step + c0 * CHUNK * 4
-                        _amx.load_sums(sums, a_step, two)
+                    probs = spread.ctypes.data + head * num_sets * 2 * set_rows * p_step
+                    for c0 in range(0, chunks, pass_chunks):
+                        n = min(pass_chunks, chunks - c0)
+                        ahead_at = c0 // pass_chunks * share
+                        tiles = sums.ctypes.data + head * sums.strides[0] + c0 * num_sets * sums.strides[1]
+                        _amx.load_sums(tiles, sums.strides[1], ROW_BYTES, n * num_sets)
                         for p in range(first, last):
                             ahead, again = _ahead(visits, num_visits, span + head * (last - first) + p - first,
                                                   prefetch_blocks)
-                            _accumulate_page(
-                                spread.ctypes.data + head * group * p_step + (p - first) * page_size * 4,
-                                p_step, block_address(v_cache, block_table[seq, p], head), row_bytes,
-                                min(page_size, seq_len - p * page_size),
-                                tails.ctypes.data + head * tails.strides[0], tails.strides[1],
-                                c0 * CHUNK * 2, two, _rows_at(ahead, c0 // 2 * share),
-                                _rows_at(again, c0 // 2 * share), share)
-                        _amx.store_sums(sums, a_step, two)
+                            values = block_address(v_cache, block_table[seq, p], head)
+                            num_tokens = min(page_size, seq_len - p * page_size)
+                            for t0 in range(0, num_tokens, ROWS):
+                                rows, step = _tile_rows(values, row_bytes, num_tokens, t0,
+                                                        tails.ctypes.data + head * tails.strides[0],
+                                                        tails.strides[1])
+                                _amx.accumulate_stacked(
+                                    probs + ((p - first) * page_size + t0) * 4, 2 * set_rows * p_step, p_step,
+                                    num_sets, rows + c0 * ROW_BYTES, step, n,
+                                    _rows_at(ahead, t0 * row_bytes + ahead_at),
+                                    _rows_at(again, t0 * row_bytes + ahead_at), share)
+                        _amx.store_sums(tiles, sums.strides[1], ROW_BYTES, n * num_sets)
+            _sums_to_acc(sums, group, set_rows, num_sets, acc)
             for h in range(num_q_heads):
                 if part < 0:
                     lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], True, True)

@@ -30,7 +30,7 @@ How the work is shaped:
   :func:`decode`). float16 pages take the same FMA tiles, each row widened as it is loaded. Numba's
   loops serve head_dim not a multiple of 16, and bfloat16 pages of odd page size or with
   ``fast_bf16=False``. On CPUs with AMX-BF16, bfloat16 prefill and decode with GQA groups of
-  3-16 take AMX tiles instead (kernels/amx_attention.py; ``pagekv.attention`` picks the kernel).
+  2-16 take AMX tiles instead (kernels/amx_attention.py; ``pagekv.attention`` picks the kernel).
 - Per-thread scratch is allocated once per slot per call, never inside the page loop.
 """
 

@@ -69,10 +69,9 @@ def _one_tile(queries, keys_t, scores, probs, values, acc):
     groups = queries.shape[0] // 16
     _amx.score_tiles(queries.ctypes.data, queries.strides[0], keys_t.ctypes.data, groups,
                      keys_t.shape[0], scores.ctypes.data, scores.strides[0], 0, 0)
-    _amx.load_sums(acc.ctypes.data, acc.strides[0], True)
-    _amx.accumulate(probs.ctypes.data, probs.strides[0], values.ctypes.data, values.strides[0], True,
-                    0, 0, 0)
-    _amx.store_sums(acc.ctypes.data, acc.strides[0], True)
+    _amx.load_sums(acc.ctypes.data, _amx.ROW_BYTES, acc.strides[0], 4)
+    _amx.accumulate(probs.ctypes.data, probs.strides[0], values.ctypes.data, values.strides[0], True)
+    _amx.store_sums(acc.ctypes.data, _amx.ROW_BYTES, acc.strides[0], 4)
     _amx.release()
 
 
@@ -195,7 +194,7 @@ def test_decode_scores_hold_one_key_per_row(group):
     assert (scores[:, group:] == -7.0).all()
 
 
-@pytest.mark.parametrize("group", [1, 3, 4, 16])
+@pytest.mark.parametrize("group", [1, 3, 4, 11, 16])
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (32, 96), (256, 64), (16, 256)])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "logits_soft_cap": 30.0},
                                      {"alibi_slopes": True, "scale": 0.05}])
@@ -230,10 +229,10 @@ def test_decode_applies_where_it_measured_faster():
     def cache(page_size, head_dim):
         return np.zeros((2, 1, page_size, head_dim), np.uint16)
 
-    for group in (3, 4, 7, 16):
+    for group in (2, 3, 4, 7, 16):
         assert amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, group)
     assert amx_attention.applies_to_decode(cache(256, 64), FORMAT_BFLOAT16, True, 4)
-    assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, 2)
+    assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, 1)
     assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, 17)
     assert not amx_attention.applies_to_decode(cache(16, 256), FORMAT_BFLOAT16, True, 4)
     assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, False, 4)
