@@ -57,7 +57,7 @@ SUM_TILES = 4  # tiles of value sums (4-7)
 SET_ROWS = ROWS // 2  # decode's most query rows per A tile of values: two tile rows each
 CONFIG_BYTES = 64
 # Decode's prefetches go out from inside the tile instructions, a KiB per 32-dim chunk between the
-# products (:func:`score_tiles`, :func:`accumulate`), not 64-128 lines in a row before them.
+# products (:func:`score_tiles`, :func:`accumulate_stacked`), not 64-128 lines in a row before them.
 # Measured against that, AMX decode from memory (LLC evicted before each round, alternating rounds,
 # medians of time ratios): S1 0.91-0.99x the time (five runs), S2 0.93-0.94x, G7 0.91-0.93x; from
 # L2 0.93-1.00x. A guess at why (no performance counters on the VM): a burst of prefetches takes
