@@ -91,16 +91,16 @@ def _spread(scores, num_rows, num_cols, spread):
 
 
 @njit(**_JIT)
-def _spread_pairs(scores, num_rows, group, set_rows, num_cols, spread):
+def _spread_pairs(scores, num_rows, group, num_cols, spread):
     """Decode's probabilities as the A tiles of :func:`_amx.accumulate_stacked`: per KV head and set
-    of ``set_rows`` query rows of its group, two rows per query row, bfloat16 in the low half of
+    of query rows of its group (:func:`_amx.value_sets`), two rows per query row, bfloat16 in the low half of
     each word, then in the high half (the other half 0); 0 for the columns past num_cols up to the
     next multiple of 16, and rows past the group stay 0.
 
     scores : float32 [rows, cols], its first num_rows (num_q_heads) read; spread : uint32
     [num_kv_heads * num_sets * 2 * set_rows, cols], zeroed when allocated.
     """
-    num_sets = -(-group // set_rows)
+    num_sets, set_rows = _amx.value_sets(group), _amx.value_set_rows(group)
     padded = min(-(-num_cols // ROWS) * ROWS, scores.shape[1])
     for q in range(num_rows):
         head, g = q // group, q % group
@@ -115,13 +115,14 @@ def _spread_pairs(scores, num_rows, group, set_rows, num_cols, spread):
 
 
 @njit(**_JIT)
-def _rescale_sums(m_before, m, group, set_rows, num_sets, sums):
+def _rescale_sums(m_before, m, group, sums):
     """Rescale the value sums of each query row whose running max rose from m_before to m, as
     :func:`pagekv.kernels.attention._softmax_update` would rescale its acc row (the same factor).
 
     m_before, m : float32 [num_q_heads]; sums : as in :func:`decode` (float32 [num_kv_heads,
     chunks * num_sets, set_rows, 32]).
     """
+    num_sets, set_rows = _amx.value_sets(group), _amx.value_set_rows(group)
     for q in range(m_before.shape[0]):
         if m[q] != m_before[q]:
             alpha = fast_exp(m_before[q] - m[q])  # 0 from the first chunk's -inf
@@ -132,7 +133,7 @@ def _rescale_sums(m_before, m, group, set_rows, num_sets, sums):
 
 
 @njit(**_JIT)
-def _sums_to_acc(sums, group, set_rows, num_sets, acc):
+def _sums_to_acc(sums, group, acc):
     """acc[q] = the value sums of query row q from the tiles' layout (as :func:`_finish_row` reads
     them: a chunk's 16 even then 16 odd dims, :func:`_amx.acc_dim`).
 
@@ -140,6 +141,7 @@ def _sums_to_acc(sums, group, set_rows, num_sets, acc):
     head holding chunk c of its query rows' set s (:func:`_amx.accumulate_stacked`); acc : float32
     [rows, head_dim], its first num_q_heads rows written.
     """
+    num_sets, set_rows = _amx.value_sets(group), _amx.value_set_rows(group)
     for q in range(sums.shape[0] * group):
         head, g = q // group, q % group
         for c in range(sums.shape[1] // num_sets):
@@ -402,8 +404,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                 m_before[:] = m[:num_q_heads]
                 _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
                                 soft_cap, alibi_slopes, m, l, no_acc)
-                _rescale_sums(m_before, m, group, set_rows, num_sets, sums)
-                _spread_pairs(scores, num_q_heads, group, set_rows, num_cols, spread)
+                _rescale_sums(m_before, m, group, sums)
+                _spread_pairs(scores, num_q_heads, group, num_cols, spread)
                 last_tokens = min(page_size, seq_len - (last - 1) * page_size)
                 if last_tokens % ROWS:  # the sequence's last page ends inside a tile
                     for head in range(num_kv_heads):
@@ -432,7 +434,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                                     _rows_at(ahead, t0 * row_bytes + ahead_at),
                                     _rows_at(again, t0 * row_bytes + ahead_at), share)
                         _amx.store_sums(tiles, sums.strides[1], ROW_BYTES, n * num_sets)
-            _sums_to_acc(sums, group, set_rows, num_sets, acc)
+            _sums_to_acc(sums, group, acc)
             for h in range(num_q_heads):
                 if part < 0:
                     lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], True, True)
