@@ -44,25 +44,28 @@ def applies(k_cache, kv_format, dot_products):
                 and head_dim % CHUNK == 0 and page_size % ROWS == 0)
 
 
-# Decode takes AMX for GQA groups of 2-16 query rows (16: one tile's rows) and head_dim up to 128.
-# Measured against the vdpbf16ps kernel on the Intel Xeon VM (time ratios, alternating rounds in one
-# process; "memory" with the 300 MiB L3 evicted before each round, "L2" with every page mapped onto
-# 1 MiB): group 4 / head_dim 128 (S1) 0.91 memory, 0.78 L2; 3 / 128: 0.97, 0.78; 7 / 128: 0.71, 0.49;
-# 16 / 128: 0.49, 0.39; 4 / 64: 0.92, 0.75; 4 / 96: 1.02, 0.82 — before the stacked value tiles
-# (kernels/_amx.py), which took groups 3-8 to 0.77-0.81x that time from L2, 0.91-0.97x from memory.
-# With them: group 2 / 128 0.94 memory (twice), 0.70 L2. Not taken: MHA (group 1) / 128 1.00, 1.09;
-# / 64 (S3) 0.97-1.01, 0.75; head_dim 256 (group 2: 1.26, 1.18; 4: 1.06-1.11 from memory, 0.62 L2,
-# before the stacked tiles). The score tiles cost the same for any group (16 keys per row), so the
-# smallest groups favour vdpbf16ps.
+# Decode takes AMX for GQA groups of 2-16 query rows (16: one tile's rows) at head_dim up to 128,
+# of 4-16 above it (256). Measured against the vdpbf16ps kernel on the Intel Xeon VM (time ratios,
+# alternating rounds in one process; "memory" with the 300 MiB L3 evicted before each round, "L2"
+# with every page mapped onto 1 MiB): group 4 / head_dim 128 (S1) 0.91 memory, 0.78 L2; 3 / 128:
+# 0.97, 0.78; 7 / 128: 0.71, 0.49; 16 / 128: 0.49, 0.39; 4 / 64: 0.92, 0.75; 4 / 96: 1.02, 0.82 —
+# before the stacked value tiles (kernels/_amx.py), which took groups 3-8 to 0.77-0.81x that time
+# from L2, 0.91-0.97x from memory. With them: group 2 / 128 0.94 memory (twice), 0.70 L2; head_dim
+# 256: group 4 (16 x 2,048 tokens, 32 / 8 heads) 0.86-0.91 memory, 0.54-0.55 L2; 8 (1 x 32,768,
+# 16 / 2, as Qwen3-Next's attention layers) 0.63, 0.42; 16 (16 x 2,048, 32 / 2) 0.45, 0.31. Not
+# taken: MHA (group 1) / 128 1.00, 1.09; / 64 (S3) 0.97-1.01, 0.75; head_dim 256 with group 2
+# (Gemma's) 1.04, group 3 1.02. The score tiles cost the same for any group (16 keys per row), so
+# the smallest groups favour vdpbf16ps, the more so the wider the head.
 DECODE_GROUPS = (2, ROWS)
-DECODE_MAX_HEAD_DIM = 128
+WIDE_HEAD_DIM = 128  # above it, decode takes AMX from a group of WIDE_MIN_GROUP
+WIDE_MIN_GROUP = 4
 
 
 def applies_to_decode(k_cache, kv_format, dot_products, group):
     """Whether :func:`decode` serves this call (else the ``vdpbf16ps`` kernel does): as
     :func:`applies`, for GQA groups and head_dims where AMX decode measured faster."""
-    return bool(applies(k_cache, kv_format, dot_products) and k_cache.shape[3] <= DECODE_MAX_HEAD_DIM
-                and DECODE_GROUPS[0] <= group <= DECODE_GROUPS[1])
+    smallest = DECODE_GROUPS[0] if k_cache.shape[3] <= WIDE_HEAD_DIM else WIDE_MIN_GROUP
+    return bool(applies(k_cache, kv_format, dot_products) and smallest <= group <= DECODE_GROUPS[1])
 
 
 @njit(**_JIT)

@@ -305,9 +305,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         one bfloat16 rounding (<= 3e-3 relative, measured) and decode runs ~1.6x faster from
         cache (README). ``False``: float32 products, the query and probabilities unrounded.
         On CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids, Linux), GQA groups of 2-16
-        query heads with head_dim 32, 64, 96 or 128 and a page size that is a multiple of 16
-        multiply by AMX tiles instead, rounding the same inputs (S1: 1.1x the speed from
-        memory, 1.8x from L2; environment variable ``PAGEKV_AMX=0``: not taken).
+        query heads (4-16 with head_dim over 128), head_dim a multiple of 32 and a page size
+        that is a multiple of 16 multiply by AMX tiles instead, rounding the same inputs (S1:
+        1.1x the speed from memory, 1.8x from L2; environment variable ``PAGEKV_AMX=0``: not
+        taken).
 
     Returns
     -------

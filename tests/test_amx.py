@@ -234,7 +234,10 @@ def test_decode_applies_where_it_measured_faster():
     assert amx_attention.applies_to_decode(cache(256, 64), FORMAT_BFLOAT16, True, 4)
     assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, 1)
     assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, True, 17)
-    assert not amx_attention.applies_to_decode(cache(16, 256), FORMAT_BFLOAT16, True, 4)
+    for group in (4, 8, 16):
+        assert amx_attention.applies_to_decode(cache(16, 256), FORMAT_BFLOAT16, True, group)
+    for group in (2, 3):  # wider heads take AMX from a group of 4
+        assert not amx_attention.applies_to_decode(cache(16, 256), FORMAT_BFLOAT16, True, group)
     assert not amx_attention.applies_to_decode(cache(16, 128), FORMAT_BFLOAT16, False, 4)
     assert not amx_attention.applies_to_decode(cache(8, 128), FORMAT_BFLOAT16, True, 4)
 
