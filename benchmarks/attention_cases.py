@@ -24,10 +24,12 @@ SHAPES = {
     "S2": dict(num_seqs=1, seq_len=32768, num_q_heads=32, num_kv_heads=8, head_dim=128),
     "S3": dict(num_seqs=64, seq_len=512, num_q_heads=16, num_kv_heads=16, head_dim=64),
     # GQA groups that are not a multiple of 4 (the tiles' row count): Gemma 2 9B's heads (group 2,
-    # head_dim 256), Llama 3.2 3B's (group 3), Qwen2.5-7B's (group 7).
+    # head_dim 256), Llama 3.2 3B's (group 3), Qwen2.5-7B's (group 7); and a wide head with a
+    # large group, Qwen3-Next's attention layers (group 8, head_dim 256) at S2's length.
     "G2": dict(num_seqs=8, seq_len=2048, num_q_heads=16, num_kv_heads=8, head_dim=256),
     "G3": dict(num_seqs=16, seq_len=2048, num_q_heads=24, num_kv_heads=8, head_dim=128),
     "G7": dict(num_seqs=16, seq_len=2048, num_q_heads=28, num_kv_heads=4, head_dim=128),
+    "G8": dict(num_seqs=1, seq_len=32768, num_q_heads=16, num_kv_heads=2, head_dim=256),
 }
 PAGE_SIZE = 16
 KINDS = ("float32", "bfloat16")

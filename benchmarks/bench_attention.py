@@ -111,14 +111,14 @@ def test_decode(benchmark, shape, kind, name):
     _time_decode(benchmark, run)
 
 
-MORE_DECODE = [(shape, kind) for shape in ("G2", "G3", "G7") for kind in KINDS] + [
+MORE_DECODE = [(shape, kind) for shape in ("G2", "G3", "G7", "G8") for kind in KINDS] + [
     ("S1", "float16"), ("S3", "float16")]
 
 
 @pytest.mark.parametrize("shape, kind", MORE_DECODE)
 def test_decode_more(benchmark, shape, kind):
-    """pagekv alone (share of the roof) on models' GQA groups of 2, 3 and 7 query heads per KV
-    head, and on float16 pages."""
+    """pagekv alone (share of the roof) on models' GQA groups of 2, 3, 7 and 8 query heads per
+    KV head (SHAPES), and on float16 pages."""
     p = problem(shape, kind)
     run = pagekv_decode(p)
     benchmark.group = f"decode {shape} {kind}"
