@@ -24,15 +24,19 @@ Every tile is 16 rows x 64 bytes (16 float32 or 32 bfloat16):
 - scores, S = Q K^T per 16 query rows x 16 keys: A = 16 query rows (32 dims), B = 16 keys
   transposed into pairs of dims (``vnni``, by :func:`transpose_words`), C in tiles 4-7
   (up to four row groups at once, independent sums);
-- values, O += P V per 16 rows x 32 dims: B = 16 value rows as they lie in a page (32 dims, 16
-  pairs of dims per row), A = the probabilities spread to even or to odd bfloat16 slots (zeros
-  between), so each pair of dims meets one probability per token: the even dims sum in one C tile,
-  the odd ones in another (:func:`acc_dim`). That takes twice the tile products of value rows
-  interleaved in pairs, and no interleaving. Decode, with at most 8 query rows per set, stacks
-  both spreads of a row in one A tile (two rows per query row), so one product per 32 dims sums
-  the even dims in one C row and the odd ones in the next (:func:`accumulate_stacked`): from L2
-  0.77-0.81x the time of two products per chunk (S1), from memory 0.91-0.97x (S1, S2, G3, G7);
-  a group of 9-16 (two sets: the same products and loads as before, plus the stacking) 1.07x.
+- values, O += P V. Prefill: B = 32 value rows interleaved in pairs of tokens (each word one
+  dim of two tokens, once per chunk of pages), A = 16 rows' probabilities two tokens to a word:
+  one product per 16 rows x 32 tokens x 16 dims (:func:`accumulate_pairs`). Decode reads each
+  value row once, so it does not interleave them: B = 16 value rows as they lie in a page (32
+  dims, 16 pairs of dims per row), A = the probabilities spread to even or to odd bfloat16 slots
+  (zeros between), so each pair of dims meets one probability per token, the even dims summing
+  in one C row and the odd ones in another (:func:`acc_dim`). With at most 8 query rows per set,
+  decode stacks both spreads of a row in one A tile (two rows per query row), so one product per
+  32 dims sums both (:func:`accumulate_stacked`): from L2 0.77-0.81x the time of two products per
+  chunk in separate C tiles (S1), from memory 0.91-0.97x (S1, S2, G3, G7); a group of 9-16 (two
+  sets: the same products and loads as before, plus the stacking) 1.07x. Prefill had taken that
+  path too (two products per 16 rows, 16 tokens and 32 dims, half of them on zeros) until the
+  interleaved values.
 """
 
 import ctypes
@@ -265,27 +269,24 @@ def _move_sums(text):
 
 
 @intrinsic
-def accumulate(typingctx, probs, prob_step, values, value_step, two):
-    """Sums of :func:`load_sums` += p x v for 16 rows, 16 tokens and one chunk of 32 dims (two
-    if ``two``): prefill's values.
+def accumulate_pairs(typingctx, probs, prob_step, values, value_step, count):
+    """Sums of :func:`load_sums` (tiles 4 .. 3 + count) += p x v for 16 rows and 32 tokens:
+    prefill's values, tile 4 + i summing dims 16 i .. 16 i + 15 of the value rows given.
 
-    probs : row 0's 16 probabilities spread to odd bfloat16 slots (the even ones 0; one slot
-    past the 16th read too), prob_step bytes per row; values : token 0's first dim of the chunk
-    (bfloat16, value_step bytes per token).
+    probs : row 0's 32 probabilities, bfloat16 in token order (64 bytes), prob_step bytes per row;
+    values : the 32 value rows interleaved in pairs of tokens (B's layout): row k holds, per dim,
+    the word (token 2k, token 2k + 1), value_step bytes per row.
     """
-    signature = types.void(probs, prob_step, values, value_step, two)
+    signature = types.void(probs, prob_step, values, value_step, count)
 
     def codegen(context, builder, sig, args):
-        probs, prob_step, values, value_step, two = args
-        _asm(builder, "tileloadd ($0,$1,1), %tmm0", builder.add(probs, _i64(2)), prob_step)  # even
-        _asm(builder, "tileloadd ($0,$1,1), %tmm1", probs, prob_step)  # odd
-        _asm(builder, "tileloadd ($0,$1,1), %tmm2", values, value_step)
-        with builder.if_then(builder.icmp_unsigned("!=", two, ir.Constant(two.type, 0))):
-            _asm(builder, "tileloadd ($0,$1,1), %tmm3", builder.add(values, _i64(ROW_BYTES)), value_step)
-            _product(builder, 6, 0, 3)
-            _product(builder, 7, 1, 3)
-        _product(builder, 4, 0, 2)
-        _product(builder, 5, 1, 2)
+        probs, prob_step, values, value_step, count = args
+        _asm(builder, "tileloadd ($0,$1,1), %tmm0", probs, prob_step)
+        for i in range(SUM_TILES):
+            b = 2 + i % 2  # two B registers: a load need not wait for the last product
+            with builder.if_then(builder.icmp_unsigned(">", count, ir.Constant(count.type, i))):
+                _asm(builder, f"tileloadd ($0,$1,1), %tmm{b}", builder.add(values, _i64(i * ROW_BYTES)), value_step)
+                _product(builder, 4 + i, 0, b)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -391,6 +392,6 @@ def value_set_rows(group):
 @njit(cache=True, nogil=True, inline="always")
 def acc_dim(j):
     """The dimension that position j of an accumulator row holds: in each 32, the 16 even
-    dims, then the 16 odd ones (:func:`accumulate`'s two tiles)."""
+    dims, then the 16 odd ones (:func:`accumulate_stacked`'s two rows)."""
     base, k = j - j % CHUNK, j % CHUNK
     return base + 2 * k if k < CHUNK // 2 else base + 2 * (k - CHUNK // 2) + 1

@@ -8,8 +8,10 @@ a page:
 
 - scores: the keys are turned into B's layout (pairs of dims; :func:`_amx.transpose_words`), then one
   tile product per 32 dims and row group gives 16 x 16 scores (:func:`_amx.score_tiles`);
-- values: per row group and pair of 32-dim chunks, the sums stay in tiles across all pages of a
-  softmax chunk (:func:`_amx.load_sums`, :func:`_amx.accumulate`, :func:`_amx.store_sums`).
+- values: the probabilities two tokens to a word (:func:`_pack_probs`) times the chunk's value
+  rows interleaved in pairs of tokens once per chunk (:func:`_interleave_values`): one tile
+  product per 16 rows, 32 tokens and 16 dims; per row group and 64 dims the sums stay in tiles
+  across the chunk (:func:`_amx.load_sums`, :func:`_amx.accumulate_pairs`, :func:`_amx.store_sums`).
 
 :func:`decode` does the work of :func:`pagekv.kernels.attention.decode` (the same planned items:
 a sequence's run of pages, all KV heads) with tiles shaped to the GQA group (see its docstring).
@@ -35,6 +37,7 @@ from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _finish_r
 from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_rows
 
 ROWS, CHUNK, ROW_BYTES = _amx.ROWS, _amx.CHUNK, _amx.ROW_BYTES
+PAIR_TOKENS = 2 * ROWS  # tokens per value tile product in prefill: 16 pairs
 
 
 def applies(k_cache, kv_format, dot_products):
@@ -78,19 +81,45 @@ def _scale(scores, num_rows, num_cols, scale):
 
 
 @njit(**_JIT)
-def _spread(scores, num_rows, num_cols, spread):
-    """Probabilities to bfloat16 in the high half of each word of ``spread`` (the low half 0):
-    as 16-bit slots, 0, p[r, 0], 0, p[r, 1], ... (the odd slots); 0 for the columns past
-    num_cols up to the next multiple of 16.
+def _pack_probs(scores, num_rows, num_cols, packed):
+    """Prefill's probabilities as the A tiles of :func:`_amx.accumulate_pairs`: bfloat16 two tokens
+    to a word (:func:`bf16.pack_pairs`), 0 for the columns past num_cols up to the next multiple of
+    32.
 
-    scores : float32 [rows, cols]; spread : uint32 [rows, cols + 1], its last word 0.
+    scores : float32 [rows, cols]; packed : uint32 [rows, pairs], pairs a multiple of 16.
     """
-    padded = min(-(-num_cols // ROWS) * ROWS, scores.shape[1])
+    bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
+    padded = min(-(-num_cols // PAIR_TOKENS) * ROWS, packed.shape[1])
     for r in range(num_rows):
-        for t in range(num_cols):
-            spread[r, t] = np.uint32(bf16.to_bf16(scores[r, t])) << np.uint32(16)
-        for t in range(num_cols, padded):
-            spread[r, t] = 0
+        for j in range((num_cols + 1) // 2, padded):
+            packed[r, j] = 0
+
+
+@njit(**_JIT)
+def _interleave_values(v_cache, block_table, seq, head, first, last, seq_len, v_pairs):
+    """The value rows of pages first .. last - 1 of a sequence's head in B's layout of
+    :func:`_amx.accumulate_pairs`: v_pairs[k, d] holds dim d of the chunk's tokens 2k (low 16
+    bits) and 2k + 1 (high); 0 for the tokens past seq_len up to the next multiple of 32 (the rows
+    there may hold anything, NaN included, and 0 x NaN would spoil the sums).
+
+    v_pairs : uint32 [pairs, head_dim], pairs >= 16 * ceil(tokens / 32).
+    """
+    page_size, head_dim = v_cache.shape[2], v_cache.shape[3]
+    num_cols = min((last - first) * page_size, seq_len - first * page_size)
+    for p in range(first, last):
+        page = block_table[seq, p]
+        for t in range(0, min(page_size, seq_len - p * page_size), 2):
+            k = ((p - first) * page_size + t) // 2
+            if (p - first) * page_size + t + 1 < num_cols:
+                for d in range(head_dim):
+                    v_pairs[k, d] = (np.uint32(v_cache[page, head, t, d])
+                                     | (np.uint32(v_cache[page, head, t + 1, d]) << np.uint32(16)))
+            else:  # the sequence's last token, in the low half
+                for d in range(head_dim):
+                    v_pairs[k, d] = np.uint32(v_cache[page, head, t, d])
+    for k in range((num_cols + 1) // 2, min(-(-num_cols // PAIR_TOKENS) * ROWS, v_pairs.shape[0])):
+        for d in range(head_dim):
+            v_pairs[k, d] = 0
 
 
 @njit(**_JIT)
@@ -177,20 +206,6 @@ def _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step):
     return values + t0 * row_bytes, row_bytes
 
 
-@njit(inline="always", **_JIT)
-def _accumulate_page(probs, prob_step, values, row_bytes, num_tokens, tail, tail_step, dims, two):
-    """Prefill's value sums loaded in tiles (:func:`_amx.load_sums`) += probabilities x one page's
-    value rows, 16 at a time: dims ``dims // 2`` onward, one chunk of 32 (two if ``two``).
-
-    probs : address of the page's first spread probability of the rows' first row (prob_step
-    bytes per row); values : the page's block address (row_bytes per token row), num_tokens of
-    them valid; tail, tail_step : the zero-padded copy of a last tile that ends early.
-    """
-    for t0 in range(0, num_tokens, ROWS):
-        rows, step = _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step)
-        _amx.accumulate(probs + t0 * 4, prob_step, rows + dims, step, two)
-
-
 @njit(parallel=True, **_JIT)
 def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_indptr, scale, window,
             soft_cap, alibi_slopes, out, lse, prefetch_blocks):
@@ -206,12 +221,13 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(padded_rows, cols, head_dim)
         q_bits = np.zeros((padded_rows, head_dim), np.uint16)
-        spread = np.zeros((padded_rows, cols + 1), np.uint32)
+        pairs = -(-cols // PAIR_TOKENS) * ROWS
+        packed = np.zeros((padded_rows, pairs), np.uint32)
+        v_pairs = np.empty((pairs, head_dim), np.uint32)
         keys_t = np.empty((chunks, ROWS, ROWS), np.uint32)
-        tail = np.zeros((ROWS, head_dim), np.uint16)
         slopes = np.empty(padded_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
         q_step, s_step = q_bits.strides[0], scores.strides[0]
-        p_step, a_step = spread.strides[0], acc.strides[0]
+        p_step, a_step, v_step = packed.strides[0], acc.strides[0], v_pairs.strides[0]
         config = _amx.tile_config()
         _amx.configure(config.ctypes.data)
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
@@ -222,7 +238,7 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                 True, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
             groups = -(-num_rows // ROWS)
             q_bits[num_rows:groups * ROWS] = 0  # a last group's padding: zero queries, zero probabilities
-            spread[num_rows:groups * ROWS] = 0
+            packed[num_rows:groups * ROWS] = 0
             for first in range(page_begin, page_end, chunk_pages):
                 last = min(first + chunk_pages, page_end)
                 key0 = first * page_size
@@ -247,32 +263,27 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                 masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
                 _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
                                 slopes, m, l, acc)
-                _spread(scores, num_rows, num_cols, spread)
-                last_tokens = min(page_size, seq_len - (last - 1) * page_size)
-                if last_tokens % ROWS:  # the sequence's last page ends inside a tile
-                    _zero_padded(v_cache, block_table[seq, last - 1], head, last_tokens - last_tokens % ROWS,
-                                 last_tokens % ROWS, tail)
-                for g in range(groups):
-                    for c0 in range(0, chunks, 2):
-                        two = c0 + 1 < chunks
-                        sums = acc.ctypes.data + g * ROWS * a_step + c0 * CHUNK * 4
-                        _amx.load_sums(sums, ROW_BYTES, a_step, 4 if two else 2)
-                        for p in range(first, last):
-                            if g == 0 and c0 == 0:
-                                prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head,
-                                                             first, last, page_end, chunk_pages, True,
-                                                             prefetch_blocks), row_bytes, 0, page_size)
-                            _accumulate_page(
-                                spread.ctypes.data + g * ROWS * p_step + (p - first) * page_size * 4,
-                                p_step, block_address(v_cache, block_table[seq, p], head), row_bytes,
-                                min(page_size, seq_len - p * page_size), tail.ctypes.data,
-                                tail.strides[0], c0 * CHUNK * 2, two)
-                        _amx.store_sums(sums, ROW_BYTES, a_step, 4 if two else 2)
+                _pack_probs(scores, num_rows, num_cols, packed)
+                for p in range(first, last):
+                    prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
+                                                 page_end, chunk_pages, True, prefetch_blocks),
+                                  row_bytes, 0, page_size)
+                _interleave_values(v_cache, block_table, seq, head, first, last, seq_len, v_pairs)
+                for d0 in range(0, head_dim // ROWS, _amx.SUM_TILES):  # 16 dims per sum tile
+                    n = min(_amx.SUM_TILES, head_dim // ROWS - d0)
+                    for g in range(groups):
+                        sums = acc.ctypes.data + g * ROWS * a_step + d0 * ROW_BYTES
+                        _amx.load_sums(sums, ROW_BYTES, a_step, n)
+                        for t0 in range(0, num_cols, PAIR_TOKENS):
+                            _amx.accumulate_pairs(packed.ctypes.data + g * ROWS * p_step + t0 * 2, p_step,
+                                                  v_pairs.ctypes.data + t0 // 2 * v_step + d0 * ROW_BYTES,
+                                                  v_step, n)
+                        _amx.store_sums(sums, ROW_BYTES, a_step, n)
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g
                     lse[row_begin + i, head * group + g] = _finish_row(
-                        acc[r], m[r], l[r], out[row_begin + i, head * group + g], True, True)
+                        acc[r], m[r], l[r], out[row_begin + i, head * group + g], False)
         _amx.release()
 
 

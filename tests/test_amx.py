@@ -63,40 +63,43 @@ def test_acc_dim_lists_even_then_odd_dims_of_each_chunk():
 
 
 @njit
-def _one_tile(queries, keys_t, scores, probs, values, acc):
+def _one_tile(queries, keys_t, scores, probs, value_pairs, acc):
     config = _amx.tile_config()
     _amx.configure(config.ctypes.data)
     groups = queries.shape[0] // 16
     _amx.score_tiles(queries.ctypes.data, queries.strides[0], keys_t.ctypes.data, groups,
                      keys_t.shape[0], scores.ctypes.data, scores.strides[0], 0, 0)
-    _amx.load_sums(acc.ctypes.data, _amx.ROW_BYTES, acc.strides[0], 4)
-    _amx.accumulate(probs.ctypes.data, probs.strides[0], values.ctypes.data, values.strides[0], True)
-    _amx.store_sums(acc.ctypes.data, _amx.ROW_BYTES, acc.strides[0], 4)
+    count = acc.shape[1] // 16
+    _amx.load_sums(acc.ctypes.data, _amx.ROW_BYTES, acc.strides[0], count)
+    _amx.accumulate_pairs(probs.ctypes.data, probs.strides[0], value_pairs.ctypes.data,
+                          value_pairs.strides[0], count)
+    _amx.store_sums(acc.ctypes.data, _amx.ROW_BYTES, acc.strides[0], count)
     _amx.release()
 
 
-@pytest.mark.parametrize("groups", [1, 3, 4])
-def test_tiles_multiply_as_numpy(groups):
-    """Scores of 16-64 query rows x 16 keys; value sums of 16 rows x 16 tokens x 64 dims, added to
-    what the sums held (bfloat16 products are exact in float32: only the order of sums differs)."""
+@pytest.mark.parametrize("groups, dims", [(1, 64), (3, 48), (4, 32)])
+def test_tiles_multiply_as_numpy(groups, dims):
+    """Scores of 16-64 query rows x 16 keys; value sums of 16 rows x 32 tokens x 32-64 dims (2-4
+    tiles), added to what the sums held and no dims past them (bfloat16 products are exact in
+    float32: only the order of sums differs)."""
     rng = np.random.default_rng(groups)
     queries = to_storage(rng.standard_normal((16 * groups, 64)), "bfloat16")
     keys = to_storage(rng.standard_normal((16, 64)), "bfloat16")
     keys_t = np.zeros((2, 16, 16), np.uint32)
     _transpose(keys, keys_t)
     scores = np.zeros((16 * groups, 20), np.float32)
-    p = to_storage(rng.random((16, 16)), "bfloat16")
-    probs = np.zeros((16, 17), np.uint32)
-    probs[:, :16] = p.astype(np.uint32) << 16
-    values = to_storage(rng.standard_normal((16, 64)), "bfloat16")
-    acc = rng.standard_normal((16, 64)).astype(np.float32)
+    p = to_storage(rng.random((16, 32)), "bfloat16")
+    probs = np.zeros((16, 20), np.uint32)
+    probs[:, :16] = p.view(np.uint32)  # tokens 2j (low half) and 2j + 1 (high half) in word j
+    values = to_storage(rng.standard_normal((32, 64)), "bfloat16")
+    value_pairs = values[0::2].astype(np.uint32) | (values[1::2].astype(np.uint32) << 16)
+    acc = rng.standard_normal((16, 80)).astype(np.float32)
     before = acc.copy()
-    _one_tile(queries, keys_t, scores, probs, values, acc)
+    _one_tile(queries, keys_t, scores, probs, value_pairs, acc[:, :dims])
     f = lambda bits: widen(bits, "bfloat16")  # noqa: E731
     np.testing.assert_allclose(scores[:, :16], f(queries) @ f(keys).T, rtol=1e-5, atol=1e-4)
-    order = [_amx.acc_dim(j) for j in range(64)]
     expected = before.astype(np.float64)
-    expected[:, :] += (f(p) @ f(values))[:, order]
+    expected[:, :dims] += f(p) @ f(values[:, :dims])
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-4)
 
 
