@@ -80,6 +80,13 @@ def _scale(scores, num_rows, num_cols, scale):
             scores[r, t] *= scale
 
 
+@njit(inline="always", **_JIT)
+def _pair_rows(tokens):
+    """Rows of token pairs that prefill's value tiles read for ``tokens`` tokens: whole products of
+    16 pairs (:data:`PAIR_TOKENS` tokens); the callers zero the pairs past the tokens."""
+    return -(-tokens // PAIR_TOKENS) * ROWS
+
+
 @njit(**_JIT)
 def _pack_probs(scores, num_rows, num_cols, packed):
     """Prefill's probabilities as the A tiles of :func:`_amx.accumulate_pairs`: bfloat16 two tokens
@@ -89,7 +96,7 @@ def _pack_probs(scores, num_rows, num_cols, packed):
     scores : float32 [rows, cols]; packed : uint32 [rows, pairs], pairs a multiple of 16.
     """
     bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
-    padded = min(-(-num_cols // PAIR_TOKENS) * ROWS, packed.shape[1])
+    padded = min(_pair_rows(num_cols), packed.shape[1])
     for r in range(num_rows):
         for j in range((num_cols + 1) // 2, padded):
             packed[r, j] = 0
@@ -117,7 +124,7 @@ def _interleave_values(v_cache, block_table, seq, head, first, last, seq_len, v_
             else:  # the sequence's last token, in the low half
                 for d in range(head_dim):
                     v_pairs[k, d] = np.uint32(v_cache[page, head, t, d])
-    for k in range((num_cols + 1) // 2, min(-(-num_cols // PAIR_TOKENS) * ROWS, v_pairs.shape[0])):
+    for k in range((num_cols + 1) // 2, min(_pair_rows(num_cols), v_pairs.shape[0])):
         for d in range(head_dim):
             v_pairs[k, d] = 0
 
@@ -221,7 +228,7 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = _slot_scratch(padded_rows, cols, head_dim)
         q_bits = np.zeros((padded_rows, head_dim), np.uint16)
-        pairs = -(-cols // PAIR_TOKENS) * ROWS
+        pairs = _pair_rows(cols)
         packed = np.zeros((padded_rows, pairs), np.uint32)
         v_pairs = np.empty((pairs, head_dim), np.uint32)
         keys_t = np.empty((chunks, ROWS, ROWS), np.uint32)
