@@ -9,7 +9,8 @@ FMAs over the block (the first from L2, the rest from L1). Its prefetches go out
 block's 64 lines at once, a KiB between the passes' quarters, or 256 bytes at a time. Each work
 level runs from memory (the last-level cache evicted before every run) and "from L2" (every block
 mapped onto the first 512 KiB: the same instructions, no memory traffic), in rounds alternating
-with the streaming-read roof.
+with the streaming-read roof (benchmarks/paired.py: each variant paired with a roof run,
+which of the two goes first alternating).
 
 If memory and work overlapped perfectly, the kernel would read min(roof, its L2 speed); the
 table puts what it reads beside that. The attention kernels' ceiling is this machine's, not only
@@ -17,13 +18,13 @@ their own: see the README, "Decode from memory against the roof".
 """
 
 import argparse
-import time
 
 import numba
 import numpy as np
 from numba import njit, prange
 
 from attention_cases import streaming_read
+from paired import paired_times
 from pagekv.kernels.prefetch import CACHE_LINE, prefetch_address
 
 BLOCK_FLOATS = 1024  # 4 KiB
@@ -88,19 +89,14 @@ def main():
     for work in (int(w) for w in args.work.split(",")):
         runs = {("L2", spread): (resident, spread) for spread in SPREADS.values()}
         runs.update({("memory", spread): (memory, spread) for spread in SPREADS.values()})
-        for order, spread in runs.values():
-            read_blocks(data, order, args.distance, work, spread)
-        shares = {name: [] for name in runs}
-        for _ in range(args.rounds):
-            for name, (order, spread) in runs.items():
-                evict()
-                start = time.perf_counter()
+        shares = {}
+        for name, (order, spread) in runs.items():
+            def run(order=order, spread=spread):
                 read_blocks(data, order, args.distance, work, spread)
-                seconds = time.perf_counter() - start
-                evict()
-                start = time.perf_counter()
-                roof()
-                shares[name].append(data.nbytes / seconds / (roof_bytes / (time.perf_counter() - start)))
+
+            run()
+            seconds, roof_seconds = paired_times(run, roof, args.rounds, before_each=evict)
+            shares[name] = data.nbytes / seconds / (roof_bytes / roof_seconds)
         for label, spread in SPREADS.items():
             cached = float(np.median(shares[("L2", spread)]))
             read = float(np.median(shares[("memory", spread)]))
