@@ -10,7 +10,8 @@ emits it, so the two inner loops are written here as IR:
   register tile of R x T accumulators, summed across lanes together at the end: one tree of
   shuffles for the whole tile, not one per dot product; ``qk_f32_xT`` and ``qk_f16_xT``, the
   same tiles on float32 queries and float32 or float16 key rows with FMAs, for float32 and
-  float16 caches (as are ``pv_f32`` and ``pv_f16`` below);
+  float16 caches (as are ``pv_f32`` and ``pv_f16`` below), and ``qk_bf16_xT``/``pv_bf16`` for
+  bfloat16 rows widened exactly as they are loaded (the path without bfloat16 products);
 - ``pv`` — R accumulator rows (1-4) += probabilities x value rows, two tokens per instruction:
   the rows of tokens t and t + 1 are interleaved so each bfloat16 pair is (v[t, d], v[t + 1, d])
   (by in-lane unpacks, so an accumulator row holds the dimensions in the order ``value_dim``
@@ -30,9 +31,16 @@ the output. Splitting each operand into two bfloat16 halves (16 significant bits
 too: the query's split cost ~10% of the compute ceiling and halved that error; it is not used.
 
 On CPUs without AVX512-BF16 the same IR computes the same products with float32 multiply-adds
-(widened pairs, odd lane then even lane, as the instruction does), so a kernel compiles and
-gives the same numbers everywhere; only the speed differs. Subnormal products differ: the
-instruction flushes them to zero (they are below 1e-38 and cannot move a softmax-weighted sum).
+(widened pairs, odd lane then even lane, as the instruction does) and gives the same numbers
+(subnormal products aside: the instruction flushes them to zero). pagekv.attention does not
+take that form on such CPUs — the FMA tiles over widened rows are faster there and round
+nothing — but the tests do, so the paired tiles are checked on every CPU.
+
+CPUs with 16 vector registers (AVX2): a <16 x float> takes two, so the FMA tiles keep fewer
+accumulators (ACCUMULATORS): a 4 x 4 score tile or a 4-row value tile of 4 chunks spilled them
+to the stack on every multiply-add. Measured on an AMD EPYC (Zen 3, AVX2) from L1, 4 query rows,
+head_dim 128, cycles per 8-wide FMA at 2.45 GHz: score tile 1.23 -> 0.64 (two key rows per
+accumulator, :func:`_make_qk_tile`), value tile 1.47 -> 0.52-0.65 (one chunk per pass).
 """
 
 from typing import Any
@@ -47,10 +55,16 @@ from numba.extending import intrinsic
 from pagekv.kernels.prefetch import emit_prefetch
 
 HAS_AVX512_BF16 = bool(llvm.get_host_cpu_features().get("avx512bf16"))
+PAIRED = "bfloat16 pairs"  # the storage name of the vdpbf16ps tiles (the others are FMA tiles)
 LANES = 16  # float32 lanes of one 512-bit register
 PAIRS = 32  # bfloat16 elements of one 512-bit register: one chunk of a row
 MAX_ROWS = 4  # query rows of the largest tile; a GQA group's rest takes one tile of 1-3 rows
 ROW_REGISTERS = 16  # accumulator registers of the one-row value tile: head_dim <= 256 in registers
+# <16 x float> accumulators an FMA tile keeps with room for its operands: 16 of AVX-512's 32
+# registers; on AVX2 a <16 x float> takes two of its 16 registers, so 4. Tiles with more
+# accumulators spilled them to the stack on every multiply-add (AMD EPYC, AVX2: a 4 x 4 score
+# tile held S1 decode to ~40% of the roof).
+ACCUMULATORS = 16 if llvm.get_host_cpu_features().get("avx512f") else 4
 
 _F32 = ir.FloatType()
 _I16 = ir.IntType(16)
@@ -132,15 +146,20 @@ def _merge_masks(block):
     return low, high
 
 
-def _lane_sums(builder, vectors):
+def _lane_sums(builder, vectors, *, halves=False):
     """The lane sums of up to 16 <16 x float> vectors, as (one vector, lane of each input's sum).
 
     A tree of merges (two shuffles and an add each, :func:`_merge_masks`) reduces all of them
     together: 45 instructions for 16 vectors, against ~8 each summed alone. Input p of 16 ends
-    in lane 4 * (p % 4) + p // 4.
+    in lane 4 * (p % 4) + p // 4. With ``halves``, each 8-lane half of a vector is summed on its
+    own: the sum of lanes 0-7 of input p is input 2p's, that of lanes 8-15 input 2p + 1's.
     """
-    owners = [[i] * LANES for i in range(len(vectors))]
-    block = LANES
+    if halves:
+        owners = [[2 * i] * (LANES // 2) + [2 * i + 1] * (LANES // 2) for i in range(len(vectors))]
+        block = LANES // 2
+    else:
+        owners = [[i] * LANES for i in range(len(vectors))]
+        block = LANES
     mask_type = ir.VectorType(_I32, LANES)
     while len(vectors) > 1 or block > 1:
         if len(vectors) % 2:  # an odd count (or fewer inputs than lanes): merge the last with itself
@@ -180,9 +199,43 @@ def _prefetch_if(builder, blocks, offset):
             emit_prefetch(builder, builder.add(block, offset), into_l1=bool(near))
 
 
-def _load_f16(builder, address):
-    """16 float16 numbers at address, widened to a <16 x float>."""
-    return builder.fpext(_load(builder, address, ir.VectorType(ir.HalfType(), LANES)), _F32X16)
+def _prefetch_line(builder, blocks, offset, row_offset, chunk_bytes):
+    """:func:`_prefetch_if` once per 64 bytes of a row read in chunks of ``chunk_bytes``: for
+    chunks under 64 bytes, only where the chunk starts at a multiple of 64 bytes into its row
+    (``row_offset``), not 2-4 times per line."""
+    if chunk_bytes >= 64:
+        _prefetch_if(builder, blocks, offset)
+        return
+    line_start = builder.icmp_unsigned("==", builder.and_(row_offset, ir.Constant(_I64, 63)),
+                                       ir.Constant(_I64, 0))
+    with builder.if_then(line_start):
+        _prefetch_if(builder, blocks, offset)
+
+
+def _load_f16(builder, address, lanes=LANES):
+    """``lanes`` float16 numbers at address, widened to float32."""
+    return builder.fpext(_load(builder, address, ir.VectorType(ir.HalfType(), lanes)),
+                         ir.VectorType(_F32, lanes))
+
+
+def _load_bf16_wide(builder, address, lanes=LANES):
+    """``lanes`` bfloat16 numbers at address, widened to float32: each 16-bit pattern shifted into
+    the top of a 32-bit lane (vpmovzxwd, vpslld), exact."""
+    wide = ir.VectorType(_I32, lanes)
+    bits = builder.zext(_load(builder, address, ir.VectorType(_I16, lanes)), wide)
+    return builder.bitcast(builder.shl(bits, ir.Constant(wide, [16] * lanes)), ir.VectorType(_F32, lanes))
+
+
+def _load_wide(builder, address, storage, lanes=LANES):
+    """``lanes`` numbers of ``storage`` (float32, float16 or bfloat16) at address as float32."""
+    if storage == "float32":
+        return _load(builder, address, ir.VectorType(_F32, lanes))
+    return (_load_f16 if storage == "float16" else _load_bf16_wide)(builder, address, lanes)
+
+
+def _join(builder, low, high):
+    """One <16 x float> of two <8 x float>: low in lanes 0-7, high in lanes 8-15."""
+    return builder.shuffle_vector(low, high, ir.Constant(_I32X16, list(range(LANES))))
 
 
 def _load_bf16(builder, address, width):
@@ -230,46 +283,96 @@ def _score_order(rows, tokens):
     return [r * 4 + t for t in range(4) for r in range(4)]
 
 
-def _make_qk_tile(tokens, *, storage="bfloat16"):
+def _keys_per_pass(rows, tokens, halves):
+    """How many of a tile's key rows one walk of head_dim takes with ``rows`` query rows: all of
+    them where the accumulators fit in registers with room for the operands (ACCUMULATORS
+    vectors, holding one key row each, or two with ``halves``), else fewer, in several walks
+    (each key row is read from L1 once either way)."""
+    return min(tokens, max(1, ACCUMULATORS // rows) * (2 if halves else 1))
+
+
+def _make_qk_tile(tokens, *, storage=PAIRED):
     """Tiles of rows x tokens scores, rows (1-4) the first argument, head_dim a multiple of 16:
-    bfloat16 key rows and queries by vdpbf16ps (``storage="bfloat16"``), or float32 queries and
-    float32 or float16 key rows (widened as they are loaded) by FMAs."""
-    fma = storage != "bfloat16"
+    bfloat16 key rows and queries by vdpbf16ps (``storage=PAIRED``), or float32 queries and
+    float32, float16 or bfloat16 key rows (widened as they are loaded) by FMAs.
+
+    FMA tiles on CPUs with 16 vector registers (AVX2: ACCUMULATORS < 16) put two key rows in each
+    accumulator, 8 dimensions of each (``halves``): a 4-row tile then keeps 2 keys x 4 rows in 8
+    registers and loads each query chunk once for both keys. With one key row per accumulator
+    it kept 1 key x 4 rows, loaded 10 vectors per 8 multiply-adds and reduced 4 accumulators
+    per key (scores from L1 at ~1 cycle per multiply-add, against ~0.55 for the value tile)."""
+    fma = storage != PAIRED
 
     def emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, *pf):
-        sums = _zero_accumulators(builder, rows * tokens)
+        halves = fma and ACCUMULATORS < 16 and tokens > 1
+        per_pass = _keys_per_pass(rows, tokens, halves) if fma else tokens
+        for first in range(0, tokens, per_pass):
+            keys = min(per_pass, tokens - first)
+            skip = builder.mul(k_step, ir.Constant(_I64, first))
+            zero = ir.Constant(_I64, 0)
+            pf_rows = [builder.select(builder.icmp_unsigned("!=", block, zero), builder.add(block, skip),
+                                      zero) for block in pf]  # this pass's rows of the blocks ahead
+            emit_pass(builder, rows, keys, halves, q_first, q_step, builder.add(k_first, skip), k_step,
+                      dims, factor, builder.add(out_base, ir.Constant(_I64, 4 * first)), out_step,
+                      *pf_rows)
+
+    def emit_pass(builder, rows, tokens, halves, q_first, q_step, k_first, k_step, dims, factor,
+                  out_base, out_step, *pf):
+        """The scores of ``rows`` query rows against ``tokens`` key rows, in one walk of head_dim."""
+        per_vector = 2 if halves else 1  # key rows per accumulator
+        vectors = tokens // per_vector
+        sums = _zero_accumulators(builder, rows * vectors)
         dot = _fma if fma else _dot_pairs
+        key_bytes = 4 if storage == "float32" else 2
+
+        def key_row(t, key_offset, chunk_bytes):
+            """The address of key row t's chunk at key_offset; the same line of the blocks ahead
+            is prefetched (:func:`_prefetch_line`)."""
+            row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), key_offset)
+            _prefetch_line(builder, pf, row, key_offset, chunk_bytes)
+            return builder.add(k_first, row)
 
         def multiply(offset, width, key_offset=None):
             """One chunk of every row: bytes ``offset`` into the query rows, ``key_offset`` (if
-            not the same) into the key rows."""
+            not the same) into the key rows; ``width`` elements of each row (8 with halves)."""
             key_offset = offset if key_offset is None else key_offset
             keys_of_chunk = []
-            for t in range(tokens):
-                row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), key_offset)
-                address = builder.add(k_first, row)
-                keys_of_chunk.append(_load(builder, address, _F32X16) if storage == "float32" else
-                                     _load_f16(builder, address) if storage == "float16" else
-                                     _load_bf16(builder, address, width))
-                _prefetch_if(builder, pf, row)  # this row's line of the blocks ahead
+            chunk_bytes = width * key_bytes if fma else 64
+            for j in range(vectors):
+                if halves:
+                    pair = [_load_wide(builder, key_row(2 * j + h, key_offset, chunk_bytes), storage,
+                                       width) for h in range(2)]
+                    keys_of_chunk.append(_join(builder, *pair))
+                elif fma:
+                    keys_of_chunk.append(_load_wide(builder, key_row(j, key_offset, chunk_bytes), storage))
+                else:
+                    keys_of_chunk.append(_load_bf16(builder, key_row(j, key_offset, chunk_bytes), width))
             for r in range(rows):
-                row = builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset)
-                address = builder.add(q_first, row)
-                query = _load(builder, address, _F32X16) if fma else _load_bf16(builder, address, width)
-                for t, key in enumerate(keys_of_chunk):
-                    s = sums[r * tokens + t]
+                address = builder.add(q_first, builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset))
+                if halves:
+                    half = _load(builder, address, ir.VectorType(_F32, width))
+                    query = _join(builder, half, half)
+                elif fma:
+                    query = _load(builder, address, _F32X16)
+                else:
+                    query = _load_bf16(builder, address, width)
+                for j, key in enumerate(keys_of_chunk):
+                    s = sums[r * vectors + j]
                     builder.store(dot(builder, builder.load(s), query, key), s)
 
-        if fma:  # 16 floats (64 bytes of query, 64 or 32 bytes of key) per chunk
-            with cgutils.for_range(builder, builder.lshr(dims, ir.Constant(_I64, 4))) as loop:
-                key_bytes = 2 if storage == "float16" else 4
-                multiply(builder.mul(loop.index, ir.Constant(_I64, LANES * 4)), LANES,
-                         builder.mul(loop.index, ir.Constant(_I64, LANES * key_bytes)))
+        if fma:  # chunks of 16 floats (8 with halves) of the query rows and of the key rows
+            width = LANES // per_vector
+            with cgutils.for_range(builder, builder.udiv(dims, ir.Constant(_I64, width))) as loop:
+                multiply(builder.mul(loop.index, ir.Constant(_I64, width * 4)), width,
+                         builder.mul(loop.index, ir.Constant(_I64, width * key_bytes)))
         else:
             _over_head_dim(builder, dims, multiply)
-        order = _score_order(rows, tokens)
-        total, lane_at = _lane_sums(builder, [builder.load(sums[i]) for i in order])
-        lane_of = {order[position]: lane for position, lane in lane_at.items()}
+        order = _score_order(rows, tokens) if not halves else list(range(rows * vectors))
+        total, lane_at = _lane_sums(builder, [builder.load(sums[i]) for i in order], halves=halves)
+        if halves:  # vector v's halves are scores 2v and 2v + 1 (= r * tokens + t)
+            lane_of = lane_at
+        else:
+            lane_of = {order[position]: lane for position, lane in lane_at.items()}
         total = builder.fmul(total, _splat(builder, factor))
         row_type = ir.VectorType(_F32, tokens)
         for r in range(rows):  # one store per row (one shuffle, or none for a 4 x 4 tile)
@@ -322,6 +425,12 @@ qk_f32_x1 = _make_qk_tile(1, storage="float32")
 # (S1/S2/S3, groups 3 and 7) and prefill 1.15-1.38x.
 qk_f16_x4 = _make_qk_tile(4, storage="float16")
 qk_f16_x1 = _make_qk_tile(1, storage="float16")
+# bfloat16 keys and values by the same FMA tiles, each row widened exactly as it is loaded (a
+# shift): on CPUs without AVX512-BF16 they replace the vdpbf16ps tiles, whose portable form is
+# no faster than float32 math and rounds the query and probabilities for nothing, and they are
+# the exact path (fast_bf16=False) on every CPU. pagekv.attention chooses.
+qk_bf16_x4 = _make_qk_tile(4, storage="bfloat16")
+qk_bf16_x1 = _make_qk_tile(1, storage="bfloat16")
 
 
 def _unpack_masks(width):
@@ -353,13 +462,13 @@ def _interleave(builder, v0, v1, width):
     return [builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(_I32, PAIRS), list(range(PAIRS))))]
 
 
-def _make_pv_tile(*, storage="bfloat16"):
+def _make_pv_tile(*, storage=PAIRED):
     """Value tiles of ``rows`` (1-4, the first argument) accumulator rows: bfloat16 value rows by
-    vdpbf16ps with packed probability pairs (``storage="bfloat16"``), or float32 or float16 value
-    rows (widened as they are loaded) and float32 probabilities by FMAs."""
+    vdpbf16ps with packed probability pairs (``storage=PAIRED``), or float32, float16 or bfloat16
+    value rows (widened as they are loaded) and float32 probabilities by FMAs."""
     def emit(builder, rows, *args):
-        if storage != "bfloat16":
-            _values_f32(builder, rows, *args[:8], args[8:], half=storage == "float16")
+        if storage != PAIRED:
+            _values_f32(builder, rows, *args[:8], args[8:], storage=storage)
             return
         acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
         pf = args[8:]
@@ -436,7 +545,7 @@ def _make_pv_tile(*, storage="bfloat16"):
 
     tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
                     + (f"{storage} value rows (head_dim a multiple of 16) and float32 probabilities, "
-                       "one per token." if storage != "bfloat16" else
+                       "one per token." if storage != PAIRED else
                        "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators (each "
                        "row's dimensions in the order of value_dim), probabilities packed as "
                        "bfloat16 pairs.")
@@ -511,14 +620,16 @@ F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value t
 
 
 def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf,
-                *, half=False):
+                *, storage):
     """acc += p @ v for ``rows`` accumulator rows of float32: F32_CHUNKS chunks of 16 floats of
-    each row per pass, held in registers across all n value rows (then head_dim's last 1-3
-    chunks); the probabilities are float32, one per token (p_first + r * p_step: row r's); pf:
-    the addresses of the blocks to prefetch. The value rows are float32, or float16 with
-    ``half`` (widened as they are loaded)."""
+    each row per pass (fewer where they would not fit in registers: ACCUMULATORS), held in
+    registers across all n value rows (then head_dim's last chunks); the probabilities are float32, one per token (p_first + r * p_step: row r's); pf:
+    the addresses of the blocks to prefetch. The value rows are of ``storage`` (float32, float16
+    or bfloat16; the 16-bit ones widened as they are loaded)."""
+    half = storage != "float32"
     value_bytes = 2 if half else 4
-    sums = _zero_accumulators(builder, rows * F32_CHUNKS)
+    per_pass = max(1, min(F32_CHUNKS, ACCUMULATORS // rows))  # chunks of each row in registers
+    sums = _zero_accumulators(builder, rows * per_pass)
 
     def acc_pointer(r, offset):
         address = builder.add(builder.add(acc_first, builder.mul(acc_step, ir.Constant(_I64, r))), offset)
@@ -532,39 +643,41 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
         for r in range(rows):
             for c in range(chunks):
                 pointer = acc_pointer(r, builder.add(offset, steps[c]))
-                builder.store(builder.load(pointer, align=4), sums[r * F32_CHUNKS + c])
+                builder.store(builder.load(pointer, align=4), sums[r * per_pass + c])
         with cgutils.for_range(builder, n) as loop:
             row = builder.add(builder.mul(v_step, loop.index), v_offset)
             values = []
             for c in range(chunks):
-                _prefetch_if(builder, pf, builder.add(row, v_steps[c]))
+                _prefetch_line(builder, pf, builder.add(row, v_steps[c]),
+                               builder.add(v_offset, v_steps[c]), LANES * value_bytes)
                 address = builder.add(v_first, builder.add(row, v_steps[c]))
-                values.append(_load_f16(builder, address) if half else _load(builder, address, _F32X16))
+                values.append(_load_wide(builder, address, storage))
             for r in range(rows):
                 p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
                                     builder.mul(loop.index, ir.Constant(_I64, 4)))
                 prob = _splat(builder, builder.load(builder.inttoptr(builder.add(p_first, p_row),
                                                                      _F32.as_pointer())))
                 for c in range(chunks):
-                    s = sums[r * F32_CHUNKS + c]
+                    s = sums[r * per_pass + c]
                     builder.store(_fma(builder, builder.load(s), values[c], prob), s)
         for r in range(rows):
             for c in range(chunks):
                 pointer = acc_pointer(r, builder.add(offset, steps[c]))
-                builder.store(builder.load(sums[r * F32_CHUNKS + c]), pointer, align=4)
+                builder.store(builder.load(sums[r * per_pass + c]), pointer, align=4)
 
-    pass_bytes = ir.Constant(_I64, F32_CHUNKS * LANES * 4)
-    passes = builder.udiv(dims, ir.Constant(_I64, F32_CHUNKS * LANES))
+    pass_bytes = ir.Constant(_I64, per_pass * LANES * 4)
+    passes = builder.udiv(dims, ir.Constant(_I64, per_pass * LANES))
     with cgutils.for_range(builder, passes) as loop:
-        chunks_at(builder.mul(loop.index, pass_bytes), F32_CHUNKS)
-    left = builder.udiv(builder.urem(dims, ir.Constant(_I64, F32_CHUNKS * LANES)), ir.Constant(_I64, LANES))
-    for chunks in range(1, F32_CHUNKS):  # head_dim 80, 96, 112, ...: the last 1-3 chunks
+        chunks_at(builder.mul(loop.index, pass_bytes), per_pass)
+    left = builder.udiv(builder.urem(dims, ir.Constant(_I64, per_pass * LANES)), ir.Constant(_I64, LANES))
+    for chunks in range(1, per_pass):  # head_dim 80, 96, 112, ...: the last 1-3 chunks
         with builder.if_then(builder.icmp_unsigned("==", left, ir.Constant(_I64, chunks))):
             chunks_at(builder.mul(passes, pass_bytes), chunks)
 
 
 pv_f32 = _make_pv_tile(storage="float32")
 pv_f16 = _make_pv_tile(storage="float16")
+pv_bf16 = _make_pv_tile(storage="bfloat16")
 
 
 @intrinsic

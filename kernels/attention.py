@@ -194,8 +194,9 @@ def _tiled_loops(kind, *, inline=True):
     jit = njit(inline="always" if inline else "never", **_JIT)
     four_keys, one_key, values = {"float32": (bf16.qk_f32_x4, bf16.qk_f32_x1, bf16.pv_f32),
                                   "float16": (bf16.qk_f16_x4, bf16.qk_f16_x1, bf16.pv_f16),
-                                  "bfloat16": (bf16.qk_x4, bf16.qk_x1, bf16.pv)}[kind]
-    pairs = kind == "bfloat16"  # probabilities packed two tokens to a word
+                                  "bfloat16": (bf16.qk_bf16_x4, bf16.qk_bf16_x1, bf16.pv_bf16),
+                                  bf16.PAIRED: (bf16.qk_x4, bf16.qk_x1, bf16.pv)}[kind]
+    pairs = kind == bf16.PAIRED  # probabilities packed two tokens to a word
 
     @jit
     def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
@@ -256,14 +257,26 @@ def _tiled_loops(kind, *, inline=True):
     return page_scores, page_accumulate
 
 
-_TILED = {kind: _tiled_loops(kind) for kind in ("float32", "float16", "bfloat16")}
-# Prefill's bfloat16 kernel calls its tile loops as functions: inlined into a kernel of its own
+# The kernel kinds: the FMA tiles of each storage (kernels/_dtypes.py), and the vdpbf16ps tiles.
+_STORAGE = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16"}
+_KINDS = (*_STORAGE.values(), bf16.PAIRED)
+_TILED = {kind: _tiled_loops(kind) for kind in _KINDS}
+# Prefill's vdpbf16ps kernel calls its tile loops as functions: inlined into a kernel of its own
 # (:func:`_prefill_kernel`) they ran 5-13% slower (8/2x64, 32/8x128, 16/16x64, 12 process pairs),
 # called they run as fast as they did inlined into the old kernel that held both kinds (0.99-1.01),
 # and compile 2 s faster. Decode keeps them inlined: called, it was 6-16% slower from cache.
-_PREFILL_TILED = dict(_TILED, bfloat16=_tiled_loops("bfloat16", inline=False))
-# The storage kind of each kv_format (kernels/_dtypes.py): one decode and one prefill kernel each.
-_KINDS = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16"}
+_PREFILL_TILED = dict(_TILED, **{bf16.PAIRED: _tiled_loops(bf16.PAIRED, inline=False)})
+
+
+def _kernel_kind(k_cache, kv_format, dot_products):
+    """The kind of kernel that serves these pages: the vdpbf16ps tiles (``bf16.PAIRED``) for
+    bfloat16 pages when ``dot_products`` allows and the shape takes them (head_dim a multiple of
+    16, an even page size, so every page starts on a packed probability pair); otherwise the
+    storage's own FMA tiles (Numba's loops where head_dim is not a multiple of 16)."""
+    if (dot_products and kv_format == FORMAT_BFLOAT16 and k_cache.shape[3] % bf16.LANES == 0
+            and k_cache.shape[2] % 2 == 0):
+        return bf16.PAIRED
+    return _STORAGE[kv_format]
 
 def _by_storage(loops):
     """Stand-ins for the tile loops ``loops[kind]`` (scores, values) that the kernels call with
@@ -483,17 +496,9 @@ def _start_item(q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, pag
 
 
 @njit(inline="always", **_JIT)
-def _takes_dot_products(k_cache, kv_format, allowed):
-    """Whether the vdpbf16ps path applies: bfloat16 pages, head_dim a multiple of 16, and an even
-    page size (so every page starts on a packed probability pair)."""
-    return (allowed and kv_format == FORMAT_BFLOAT16 and k_cache.shape[3] % bf16.LANES == 0
-            and k_cache.shape[2] % 2 == 0)
-
-
-@njit(inline="always", **_JIT)
-def _takes_fma_tiles(k_cache, kv_format):
-    """Whether the FMA tiles apply: float32 or float16 pages, head_dim a multiple of 16."""
-    return kv_format != FORMAT_BFLOAT16 and k_cache.shape[3] % bf16.LANES == 0
+def _takes_fma_tiles(k_cache):
+    """Whether a storage's FMA tiles apply: head_dim a multiple of 16."""
+    return k_cache.shape[3] % bf16.LANES == 0
 
 
 @njit(inline="always", **_JIT)
@@ -515,21 +520,20 @@ def _finish_row(acc_row, m_r, l_r, out_row, dots, amx_sums=False):
 
 
 def _decode_kernel(kind):
-    """The kernel of :func:`decode` for one storage ``kind`` (float32, float16, bfloat16): its
-    own kind of tiles (FMA tiles, or vdpbf16ps for bfloat16), or Numba's loops where they do not
-    apply.
+    """The kernel of :func:`decode` for one ``kind`` (:func:`_kernel_kind`): the FMA tiles of
+    one storage (float32, float16, bfloat16; Numba's loops where they do not apply), or the
+    vdpbf16ps tiles (``bf16.PAIRED``).
 
     Each compiles only its own kind of tiles: a cold compile of decode took 27-31 s with the
     float32 and bfloat16 tiles in one kernel, 20-23 s per storage then (this VM, noisy), and a
     float32 cache never needs the bfloat16 kernel. Memory-bound speed was unchanged (S1/S2/S3,
     paired rounds: 0.99-1.02x the time).
     """
-    fma = kind != "bfloat16"  # FMA tiles: the queries are scaled float32, the probabilities float32
+    fma = kind != bf16.PAIRED  # FMA tiles: the queries are scaled float32, the probabilities float32
 
     @njit(parallel=True, **_JIT)
     def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
-               window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks,
-               dot_products):
+               window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks):
         num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         num_q_heads = q.shape[1]
         group = num_q_heads // num_kv_heads
@@ -537,9 +541,8 @@ def _decode_kernel(kind):
         # float32 pages: the FMA tiles. Against Numba's loops, MHA read 2-10% faster from memory and
         # 25-45% from cache (head_dim 64/80/128, 8-32 heads); GQA, with each line prefetched twice,
         # 0-18% faster from memory and 10-50% from cache (kernels/_bf16_dot.py has the exceptions).
-        tiles = _takes_fma_tiles(k_cache, kv_format) if fma else \
-            _takes_dot_products(k_cache, kv_format, dot_products)
-        dots = tiles and not fma  # the bfloat16 tiles' rounded queries and probabilities
+        tiles = _takes_fma_tiles(k_cache) if fma else True
+        dots = not fma  # the vdpbf16ps tiles' rounded queries and probabilities
         # Numba's loops ask for each line once (kernels/prefetch.py): no second block address for them.
         distances = (prefetch_blocks[0], prefetch_blocks[1] if tiles else 0)
         for slot in prange(slot_indptr.shape[0] - 1):
@@ -602,11 +605,12 @@ def _decode_kernel(kind):
     return decode
 
 
-_DECODE = {kv_format: _decode_kernel(kind) for kv_format, kind in _KINDS.items()}
+_DECODE = {kind: _decode_kernel(kind) for kind in _KINDS}
 
 
 def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
-           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, dot_products):
+           window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, *,
+           dot_products):
     """Decode attention over planned work items.
 
     A work item is one sequence over a run of its pages, all KV heads at once: in the HND layout
@@ -625,9 +629,9 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     bfloat16 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
     kernels/_bf16_dot.py), when the shape allows.
     """
-    _DECODE[kv_format](
+    _DECODE[_kernel_kind(k_cache, kv_format, dot_products)](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale, window,
-        soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, dot_products)
+        soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks)
 
 
 @njit(parallel=True, **_JIT)
@@ -664,20 +668,19 @@ def _prefill_kernel(kind):
     """The kernel of :func:`prefill` for one storage, as :func:`_decode_kernel` is for decode: a
     cold compile of prefill took 21-22 s per storage with both kinds of tiles in one kernel,
     12-15 s since; its speed was unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
-    fma = kind != "bfloat16"
+    fma = kind != bf16.PAIRED
 
     @njit(parallel=True, **_JIT)
     def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
-                scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products):
+                scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks):
         num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // num_kv_heads
         max_rows = QUERY_BLOCK * group
         chunk_pages = max(1, CHUNK_TOKENS // page_size)
         # float32 pages: the FMA score and value tiles (compute-bound here: 1.4-1.7x faster than
         # Numba's loops, kernels/_bf16_dot.py), as in decode. The queries are scaled already.
-        tiles = _takes_fma_tiles(k_cache, kv_format) if fma else \
-            _takes_dot_products(k_cache, kv_format, dot_products)
-        dots = tiles and not fma
+        tiles = _takes_fma_tiles(k_cache) if fma else True
+        dots = not fma
         for slot in prange(slot_indptr.shape[0] - 1):
             qs, acc, m, l, qpos, scores = _slot_scratch(
                 max_rows, chunk_pages * page_size, head_dim)
@@ -736,11 +739,11 @@ def _prefill_kernel(kind):
     return prefill
 
 
-_PREFILL = {kv_format: _prefill_kernel(kind) for kv_format, kind in _KINDS.items()}
+_PREFILL = {kind: _prefill_kernel(kind) for kind in _KINDS}
 
 
 def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
-            scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products):
+            scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, *, dot_products):
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     q, out : float32 [num_tokens, num_q_heads, head_dim]; lse : float32 [num_tokens, num_q_heads].
@@ -750,6 +753,6 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     pages); the tiles are not asked again nearer: that made prefill 1-4% slower (compute-bound).
     dot_products : bool, as in :func:`decode`.
     """
-    _PREFILL[kv_format](
+    _PREFILL[_kernel_kind(k_cache, kv_format, dot_products)](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr, scale,
-        window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, dot_products)
+        window, soft_cap, alibi_slopes, out, lse, prefetch_blocks)

@@ -17,6 +17,7 @@ import numpy as np
 
 from pagekv import _arrays
 from pagekv.errors import InvalidPageError
+from pagekv.kernels import _bf16_dot
 from pagekv.kernels import amx_attention as _amx_attention
 from pagekv.kernels import attention as _attention
 from pagekv.kernels import cache_ops as _cache_ops
@@ -49,6 +50,11 @@ PREFETCH_BYTES = 64 * 1024
 PREFETCH_AGAIN_FRACTION = 8
 PREFETCH_AGAIN_MIN_BLOCK = 512
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# fast_bf16 multiplies in bfloat16 only where the CPU has bfloat16 products (AVX512-BF16, which
+# every CPU with AMX-BF16 has too). Elsewhere the float32 FMA tiles over rows widened as they are
+# loaded are exact and faster than emulated bfloat16 products (AMD EPYC, AVX2: S1 decode 1.4x,
+# README). The tests set it to run the bfloat16 tiles' portable form on any CPU.
+BF16_PRODUCTS = _bf16_dot.HAS_AVX512_BF16
 
 
 # ----------------------------------------------------------------------------------- conversions
@@ -112,6 +118,11 @@ def _flag(value, name) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"expected {name} a bool, got {value!r}")
     return bool(value)
+
+
+def _bf16_products(fast_bf16):
+    """Whether bfloat16 pages may multiply in bfloat16 (``dot_products`` of the kernels)."""
+    return _flag(fast_bf16, "fast_bf16") and BF16_PRODUCTS
 
 
 def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slopes, num_q_heads):
@@ -298,12 +309,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         benchmarks from ~50% to ~85% of the streaming-read bandwidth (README). Results do not
         depend on it.
     fast_bf16 : bool
-        bfloat16 caches with head_dim a multiple of 16 and an even page_size: multiply in
-        bfloat16 (AVX512-BF16 ``vdpbf16ps``; float32 math on CPUs without it, same results). The
-        query and the softmax probabilities are rounded to bfloat16 once — a bfloat16 query stays
-        exact — and every sum is float32, as FlashAttention does on GPUs: outputs move by about
-        one bfloat16 rounding (<= 3e-3 relative, measured) and decode runs ~1.6x faster from
-        cache (README). ``False``: float32 products, the query and probabilities unrounded.
+        bfloat16 caches with head_dim a multiple of 16 and an even page_size, on CPUs with
+        AVX512-BF16: multiply in bfloat16 (``vdpbf16ps``). The query and the softmax
+        probabilities are rounded to bfloat16 once — a bfloat16 query stays exact — and every sum
+        is float32, as FlashAttention does on GPUs: outputs move by about one bfloat16 rounding
+        (<= 3e-3 relative, measured) and decode runs ~1.6x faster from cache (README).
+        ``False``: float32 products, the query and probabilities unrounded. CPUs without
+        AVX512-BF16 (AMD before Zen 4, Intel before Cooper Lake) have no bfloat16 products: there
+        bfloat16 pages always take the float32 products, the faster path on them.
         On CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids, Linux), GQA groups of 2-16
         query heads (4-16 with head_dim over 128), head_dim a multiple of 32 and a page size
         that is a multiple of 16 multiply by AMX tiles instead, rounding the same inputs (S1:
@@ -345,14 +358,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     part_out = np.empty((plan.num_parts, num_q_heads, head_dim), np.float32)
     part_lse = np.empty((plan.num_parts, num_q_heads), np.float32)
     _threads.start()
-    kv_format, dot_products = _arrays.KV_FORMAT[kind], _flag(fast_bf16, "fast_bf16")
+    kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
     if _amx_attention.applies_to_decode(k, kv_format, dot_products, num_q_heads // num_kv_heads):
         _amx_attention.decode(q32, k, v, table, lens, plan.items, plan.slot_indptr, scale, window,
                               cap, slopes, buffer, lse, part_out, part_lse, _prefetch_blocks(prefetch, k))
     else:
         _attention.decode(q32, k, v, kv_format, table, lens, plan.items, plan.slot_indptr, scale,
                           window, cap, slopes, buffer, lse, part_out, part_lse,
-                          _prefetch_blocks(prefetch, k), dot_products)
+                          _prefetch_blocks(prefetch, k), dot_products=dot_products)
     if len(plan.split_seqs):
         _attention.merge_parts(part_out, part_lse, plan.split_seqs, buffer, lse)
     if buffer is not storage:
@@ -410,14 +423,14 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_tokens, num_q_heads), np.float32)
     _threads.start()
-    kv_format, dot_products = _arrays.KV_FORMAT[kind], _flag(fast_bf16, "fast_bf16")
+    kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
     if _amx_attention.applies(k, kv_format, dot_products):  # CPUs with AMX: kernels/_amx.py
         _amx_attention.prefill(q32, k, v, table, lens, indptr, items, slot_indptr, scale, window, cap,
                                slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0])
     else:
         _attention.prefill(q32, k, v, kv_format, table, lens, indptr, items, slot_indptr, scale,
                            window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0],
-                           dot_products)
+                           dot_products=dot_products)
     if buffer is not storage:
         _from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result

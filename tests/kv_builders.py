@@ -1,6 +1,10 @@
 """Builders of random paged KV caches for the kernel tests (pages in random physical order)."""
 
+import contextlib
+
 import numpy as np
+
+from pagekv import attention
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 # Tolerance on max|out - ref| / max|ref| by output (query) dtype: float32 accumulates in float32,
@@ -11,9 +15,23 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 FAST_BF16_TOLERANCE = 5e-3  # measured: <= 2.1e-3 over 400 Hypothesis problems (float32 out)
 
 
-def takes_fast_bf16(kind, head_dim, page_size, fast_bf16=True):
-    """Whether attention over this cache multiplies in bfloat16 (the contract in pagekv.attention)."""
-    return fast_bf16 and kind == "bfloat16" and head_dim % 16 == 0 and page_size % 2 == 0
+def takes_fast_bf16(kind, head_dim, page_size, fast_bf16=True, products=None):
+    """Whether attention over this cache multiplies in bfloat16 (the contract in pagekv.attention):
+    only with bfloat16 products, ``products`` (by default ``attention.BF16_PRODUCTS``: whether
+    this CPU has them)."""
+    products = attention.BF16_PRODUCTS if products is None else products
+    return fast_bf16 and products and kind == "bfloat16" and head_dim % 16 == 0 and page_size % 2 == 0
+
+
+@contextlib.contextmanager
+def bf16_products(enabled):
+    """``attention.BF16_PRODUCTS`` set to ``enabled`` inside: True runs the bfloat16 tiles on any
+    CPU (their portable form where AVX512-BF16 is missing), False the float32 products."""
+    saved, attention.BF16_PRODUCTS = attention.BF16_PRODUCTS, enabled
+    try:
+        yield
+    finally:
+        attention.BF16_PRODUCTS = saved
 
 
 def to_storage(values, kind):

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_builders import (FAST_BF16_TOLERANCE, TOLERANCE, PagedKV, relative_error, takes_fast_bf16,
-                         to_storage, widen)
+from kv_builders import (FAST_BF16_TOLERANCE, TOLERANCE, PagedKV, bf16_products, relative_error,
+                         takes_fast_bf16, to_storage, widen)
 from pagekv import attention
 from pagekv.reference import attention as reference
 
@@ -34,6 +34,7 @@ def problems(draw, *, max_len=300):
             "scale": st.floats(0.01, 0.5),
             "fast_bf16": st.booleans(),
         })),
+        bf16_products=draw(st.booleans()),  # both bfloat16 paths on every CPU
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -60,7 +61,7 @@ def query(rng, shape, kind):
 
 def fast_path(problem):
     return takes_fast_bf16(problem["kind"], problem["head_dim"], problem["page_size"],
-                           problem["options"].get("fast_bf16", True))
+                           problem["options"].get("fast_bf16", True), problem["bf16_products"])
 
 
 def reference_query(q64, problem):
@@ -81,8 +82,9 @@ def check(got, expected, kind, problem):
 def test_decode_matches_reference(problem):
     rng, kv, num_q_heads, options = build(problem)
     q, q64 = query(rng, (len(kv.seq_lens), num_q_heads, problem["head_dim"]), problem["q_kind"])
-    out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
-                                                return_lse=True, **options)
+    with bf16_products(problem["bf16_products"]):
+        out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                    return_lse=True, **options)
     expected, expected_lse = reference.decode(reference_query(q64, problem), kv.k64, kv.v64,
                                               kv.block_table, kv.seq_lens, **reference_options(options))
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -96,8 +98,9 @@ def test_prefill_matches_reference(problem, data):
     q_lens = [data.draw(st.integers(1, n)) for n in kv.seq_lens]  # the rest is a cached prefix
     qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q, q64 = query(rng, (qo_indptr[-1], num_q_heads, problem["head_dim"]), problem["q_kind"])
-    out, lse = attention.paged_prefill_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
-                                                 qo_indptr, return_lse=True, **options)
+    with bf16_products(problem["bf16_products"]):
+        out, lse = attention.paged_prefill_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                     qo_indptr, return_lse=True, **options)
     expected, expected_lse = reference.prefill(reference_query(q64, problem), kv.k64, kv.v64,
                                                kv.block_table, kv.seq_lens, qo_indptr,
                                                **reference_options(options))
@@ -105,22 +108,23 @@ def test_prefill_matches_reference(problem, data):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["float32", "float16"])
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 80), (17, 128), (64, 256)])
 def test_fma_decode_tiles_match_reference(page_size, head_dim, group, kind):
-    """float32 and float16 pages take decode's FMA tiles (kernels/attention.py): tiles of 1, 2, 3
-    or 4 query rows per KV head, and 4-row tiles plus a 1-, 2- or 3-row tile for the rest (groups
-    5-7); odd page sizes, pages ending mid-way, every head_dim chunk count, with the masking
-    options."""
+    """float32, float16 and (without bfloat16 products) bfloat16 pages take decode's FMA tiles
+    (kernels/attention.py): tiles of 1, 2, 3 or 4 query rows per KV head, and 4-row tiles plus a
+    1-, 2- or 3-row tile for the rest (groups 5-7); odd page sizes, pages ending mid-way, every
+    head_dim chunk count, with the masking options."""
     rng = np.random.default_rng(page_size)
     kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=3, head_dim=head_dim, page_size=page_size,
                  kind=kind)
     q = rng.standard_normal((4, 3 * group, head_dim)).astype(np.float32)
     slopes = (2.0 ** -np.arange(1, 3 * group + 1)).astype(np.float32)
     for options in ({}, {"sliding_window": 40, "logits_soft_cap": 5.0, "alibi_slopes": slopes}):
-        out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
-                                                    return_lse=True, **options)
+        with bf16_products(False):
+            out, lse = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table,
+                                                        kv.seq_lens, return_lse=True, **options)
         expected, expected_lse = reference.decode(q.astype(np.float64), kv.k64, kv.v64,
                                                   kv.block_table, kv.seq_lens, **options)
         assert relative_error(out, expected) <= TOLERANCE["float32"]  # float32 math on the stored values
@@ -227,9 +231,9 @@ def test_random_page_order_equals_contiguous_layout(kind, page_size):
 
 
 @pytest.mark.parametrize("window", [None, 1000])
-@pytest.mark.parametrize("fast_bf16", [False, True])
-def test_split_and_unsplit_plans_agree(window, fast_bf16):
-    """Pieces merged by log-sum-exp equal the whole. On the fast path each piece rounds its
+@pytest.mark.parametrize("products", [False, True])
+def test_split_and_unsplit_plans_agree(window, products):
+    """Pieces merged by log-sum-exp equal the whole. With bfloat16 products each piece rounds its
     probabilities relative to its own running max, so the two agree to bfloat16 rounding only."""
     rng = np.random.default_rng(3)
     kv = PagedKV(rng, [4099, 5, 2000], num_kv_heads=2, head_dim=128, page_size=16, kind="bfloat16")
@@ -238,12 +242,13 @@ def test_split_and_unsplit_plans_agree(window, fast_bf16):
     for threads in (1, 7):
         plan = attention.plan_decode(kv.seq_lens, page_size=16, sliding_window=window,
                                      num_threads=threads)
-        outs[threads] = attention.paged_decode_attention(
-            q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=plan, sliding_window=window,
-            return_lse=True, fast_bf16=fast_bf16)
+        with bf16_products(products):
+            outs[threads] = attention.paged_decode_attention(
+                q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=plan, sliding_window=window,
+                return_lse=True)
     assert len(attention.plan_decode(kv.seq_lens, page_size=16,
                                      num_threads=7).split_seqs) > 0, "the 7-slot plan must split"
-    if fast_bf16:
+    if products:
         assert relative_error(outs[7][0], outs[1][0].astype(np.float64)) <= FAST_BF16_TOLERANCE
     else:
         np.testing.assert_allclose(outs[1][0], outs[7][0], rtol=1e-5, atol=1e-6)

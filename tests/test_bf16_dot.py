@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from numba import njit
 
-from kv_builders import to_storage, widen
+from kv_builders import bf16_products, to_storage, widen
 from pagekv import attention
 from pagekv.kernels import _bf16_dot as bf16
 
@@ -20,13 +20,14 @@ ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops
 STALE = 0x7FC0  # a bfloat16 NaN: what a page's unused rows may hold
 
 
-PREFIX = {"bfloat16": "", "float32": "f32_", "float16": "f16_"}  # the tiles of each storage
+PAIRED = bf16.PAIRED
+PREFIX = {PAIRED: "", "float32": "f32_", "float16": "f16_", "bfloat16": "bf16_"}  # each storage's tiles
 
 
 def _scores_harness(tokens, storage):
     """A fresh (uncached) function that runs one query-key tile for keys of ``storage``: compiled
     on its first call, so it takes whatever code generation the tiles choose at that moment.
-    float16 keys are passed as their bits (uint16): the tile reads them through their address."""
+    16-bit keys are passed as their bits (uint16): the tile reads them through their address."""
     tile = getattr(bf16, f"qk_{PREFIX[storage]}x{tokens}")
 
     @njit
@@ -81,26 +82,37 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
     rng = np.random.default_rng(seed)
     q, k = _bf16(rng, (rows, head_dim)), _padded_rows(rng, tokens, head_dim)
     out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
-    _scores(tokens, "bfloat16")(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _scores(tokens, PAIRED)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
 
 
+def _fma_rows(rng, num_rows, filled, head_dim, storage):
+    """num_rows rows of ``storage`` (float32, float16 or bfloat16 bits) whose first ``filled`` rows
+    hold random values and whose other rows, and the 16 elements after each row, hold NaN: a tile
+    that reads past them turns its result NaN. Returns (the rows as their bits, their float64
+    values, NaN where not filled)."""
+    values = np.full((num_rows, head_dim + 16), np.nan)
+    values[:filled, :head_dim] = rng.standard_normal((filled, head_dim))
+    stored = to_storage(values, storage)[:, :head_dim]
+    return stored.view(np.uint32 if storage == "float32" else np.uint16), widen(stored, storage)
+
+
+FMA_STORAGE = ["float32", "float16", "bfloat16"]
+
+
 @given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
-       st.integers(0, 2**16), st.booleans(), st.sampled_from(["float32", "float16"]))
+       st.integers(0, 2**16), st.booleans(), st.sampled_from(FMA_STORAGE))
 def test_fma_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch, storage):
-    """float32 queries against float32 or float16 keys (widened as the tile loads them)."""
+    """float32 queries against float32, float16 or bfloat16 keys (widened as the tile loads them)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((rows, head_dim)).astype(np.float32)
-    k = np.full((tokens, head_dim + 16), np.nan, storage)  # NaN gaps: no read past head_dim
-    k[:, :head_dim] = rng.standard_normal((tokens, head_dim))
-    k = k[:, :head_dim]
+    k, k64 = _fma_rows(rng, tokens, tokens, head_dim, storage)
     out = np.full((rows, 8), np.nan, np.float32)
-    _scores(tokens, storage)(q, k.view(np.uint32 if storage == "float32" else np.uint16),
-                             np.float32(scale), out, k.ctypes.data if prefetch else 0)
-    expected = q.astype(np.float64) @ k.astype(np.float64).T * np.float64(np.float32(scale))
+    _scores(tokens, storage)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    expected = q.astype(np.float64) @ k64.T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
 
@@ -123,7 +135,7 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
     order = _value_order(head_dim)  # the tile keeps dimension order[j] at position j
     tile_acc = acc[:, order].copy()
-    _values("bfloat16")(tile_acc, v, packed, num_tokens, v.ctypes.data)
+    _values(PAIRED)(tile_acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(tile_acc, expected[:, order], rtol=1e-5, atol=1e-5)
 
 
@@ -140,21 +152,18 @@ def test_value_order_is_a_permutation_of_whole_chunks(head_dim):
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 96, 112, 128, 256, 272]),
-       st.integers(1, 16), st.integers(0, 2**16), st.sampled_from(["float32", "float16"]))
+       st.integers(1, 16), st.integers(0, 2**16), st.sampled_from(FMA_STORAGE))
 def test_fma_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed, storage):
-    """acc += p @ v over num_tokens float32 or float16 rows of a 16-row page whose other rows, the
-    gaps after each row and the probabilities past num_tokens hold NaN; head_dim 80-112 and 272
-    end in a pass of 1-3 chunks."""
+    """acc += p @ v over num_tokens float32, float16 or bfloat16 rows of a 16-row page whose other
+    rows, the gaps after each row and the probabilities past num_tokens hold NaN; head_dim
+    80-112 and 272 end in a pass of 1-3 chunks."""
     rng = np.random.default_rng(seed)
-    v = np.full((16, head_dim + 16), np.nan, storage)
-    v[:num_tokens, :head_dim] = rng.standard_normal((num_tokens, head_dim))
-    v = v[:, :head_dim]
+    v, v64 = _fma_rows(rng, 16, num_tokens, head_dim, storage)
     p = np.full((rows, 16), np.nan, np.float32)
     p[:, :num_tokens] = rng.random((rows, num_tokens))
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
-    expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v[:num_tokens].astype(np.float64)
-    _values(storage)(acc, v.view(np.uint32 if storage == "float32" else np.uint16), p, num_tokens,
-                     v.ctypes.data)
+    expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v64[:num_tokens]
+    _values(storage)(acc, v, p, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -185,7 +194,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     results = []
     for native in (True, False):
         monkeypatch.setattr(bf16, "HAS_AVX512_BF16", native)
-        scores, values = _scores_harness(4, "bfloat16"), _values_harness("bfloat16")  # compiled now
+        scores, values = _scores_harness(4, PAIRED), _values_harness(PAIRED)  # compiled now
         out, acc = np.zeros((4, 4), np.float32), acc0.copy()
         scores(q, k, np.float32(0.125), out, 0)
         values(acc, v, packed, 15, 0)
@@ -206,18 +215,42 @@ def test_fast_bf16_must_be_a_bool():
                                           fast_bf16=1)
 
 
-def test_fast_bf16_keeps_a_bfloat16_query_exact():
-    """A bfloat16 query is not rounded (the scale multiplies the sums), so scores and lse match
-    the float32 path's to float32 rounding; only the output carries the probabilities' rounding."""
-    rng = np.random.default_rng(9)
+def _bf16_problem(seed):
+    rng = np.random.default_rng(seed)
     k, v = _bf16(rng, (8, 2, 16, 128)), _bf16(rng, (8, 2, 16, 128))
     q = widen(_bf16(rng, (2, 8, 128)), "bfloat16").astype(np.float32)  # bfloat16 values
     table, lens = rng.permutation(8).astype(np.int32).reshape(2, 4), np.array([64, 37], np.int32)
-    fast, fast_lse = attention.paged_decode_attention(q, k, v, table, lens, return_lse=True)
-    exact, exact_lse = attention.paged_decode_attention(q, k, v, table, lens, return_lse=True,
-                                                        fast_bf16=False)
+    return q, k, v, table, lens
+
+
+def test_fast_bf16_keeps_a_bfloat16_query_exact():
+    """A bfloat16 query is not rounded (the scale multiplies the sums), so scores and lse match
+    the float32 path's to float32 rounding; only the output carries the probabilities' rounding.
+    Run on every CPU: the bfloat16 tiles' portable form where AVX512-BF16 is missing."""
+    q, k, v, table, lens = _bf16_problem(9)
+    with bf16_products(True):
+        fast, fast_lse = attention.paged_decode_attention(q, k, v, table, lens, return_lse=True)
+        exact, exact_lse = attention.paged_decode_attention(q, k, v, table, lens, return_lse=True,
+                                                            fast_bf16=False)
     np.testing.assert_allclose(fast_lse, exact_lse, rtol=1e-6, atol=1e-6)
     assert 0 < np.abs(fast - exact).max() <= 5e-3 * np.abs(exact).max()
+
+
+def test_without_bf16_products_fast_bf16_is_the_float32_path():
+    """Where the CPU has no bfloat16 products, fast_bf16 rounds nothing: decode and prefill give
+    the float32 products' results, bit for bit."""
+    q, k, v, table, lens = _bf16_problem(10)
+    rows = np.ascontiguousarray(np.repeat(q, 3, axis=0)[:5])
+    indptr = np.array([0, 2, 5], np.int32)
+    with bf16_products(False):
+        for fast_bf16 in (True, False):
+            decode = attention.paged_decode_attention(q, k, v, table, lens, fast_bf16=fast_bf16)
+            prefill = attention.paged_prefill_attention(rows, k, v, table, lens, indptr,
+                                                        fast_bf16=fast_bf16)
+            if fast_bf16:
+                fast = decode, prefill
+    np.testing.assert_array_equal(fast[0], decode)
+    np.testing.assert_array_equal(fast[1], prefill)
 
 
 def _lane_sum_tree(count):
@@ -252,3 +285,32 @@ def test_every_merge_adds_two_lanes_of_one_block(block):
     assert sorted(low + high) == list(range(2 * bf16.LANES))
     for a, b in zip(low, high):
         assert a // block == b // block
+
+
+@pytest.mark.parametrize("accumulators", [4, 16])  # AVX2's register budget, AVX-512's
+@pytest.mark.parametrize("storage", FMA_STORAGE)
+def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumulators, storage):
+    """The FMA tiles take their shape from ACCUMULATORS when they compile: with 16 a 4 x 4 score
+    tile and 4-chunk value passes, with 4 two key rows per accumulator (8 dimensions each) and
+    fewer chunks per pass. Both must compute the same scores and sums, whatever the CPU."""
+    monkeypatch.setattr(bf16, "ACCUMULATORS", accumulators)
+    rng = np.random.default_rng(accumulators)
+    runs = {tokens: _scores_harness(tokens, storage) for tokens in (4, 1)}  # compiled now
+    values = _values_harness(storage)
+    for rows in ROWS:
+        for head_dim in (16, 80, 128, 256):
+            q = rng.standard_normal((rows, head_dim)).astype(np.float32)
+            for tokens, run in runs.items():
+                k, k64 = _fma_rows(rng, tokens, tokens, head_dim, storage)
+                out = np.full((rows, 8), np.nan, np.float32)
+                run(q, k, np.float32(0.5), out, k.ctypes.data)
+                np.testing.assert_allclose(out[:, :tokens], q @ k64.T * 0.5, rtol=1e-5,
+                                           atol=1e-5 * head_dim)
+                assert np.isnan(out[:, tokens:]).all()
+            v, v64 = _fma_rows(rng, 16, 13, head_dim, storage)
+            p = np.full((rows, 16), np.nan, np.float32)
+            p[:, :13] = rng.random((rows, 13))
+            acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
+            expected = acc + p[:, :13].astype(np.float64) @ v64[:13]
+            values(acc, v, p, 13, v.ctypes.data)
+            np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
