@@ -22,14 +22,14 @@ How the work is shaped:
   took S1 decode from ~50% to ~80% of the streaming-read bandwidth); decode's tiles ask again for
   a nearer block, as the CPU drops some prefetches (S1/S2 bfloat16 then read ~85%).
 - bfloat16 pages (head_dim a multiple of 16, even page size) multiply in bfloat16 with
-  ``vdpbf16ps`` tiles (kernels/_bf16_dot.py): the queries and the probabilities are rounded to
-  bfloat16 once, the sums stay float32. In float32 math the bfloat16 loops were bound by the
-  CPU's multiply-adds below the memory roof; the tiles made S1 decode ~1.6x faster from cache.
-  Prefill over float32 pages (head_dim a multiple of 16) computes scores and values by float32
-  FMA tiles of the same shapes: 1.4-1.7x faster there than Numba's loops; decode too (see
-  :func:`decode`). float16 pages take the same FMA tiles, each row widened as it is loaded. Numba's
-  loops serve head_dim not a multiple of 16, and bfloat16 pages of odd page size or with
-  ``fast_bf16=False``. On CPUs with AMX-BF16, bfloat16 prefill and decode with GQA groups of
+  ``vdpbf16ps`` tiles (kernels/_bf16_dot.py) where the CPU has them and ``fast_bf16`` allows:
+  the queries and the probabilities are rounded to bfloat16 once, the sums stay float32. In
+  float32 math the bfloat16 loops were bound by the CPU's multiply-adds below the memory roof;
+  the tiles made S1 decode ~1.6x faster from cache. Prefill over float32 pages (head_dim a
+  multiple of 16) computes scores and values by float32 FMA tiles of the same shapes: 1.4-1.7x
+  faster there than Numba's loops; decode too (see :func:`decode`). float16 pages, and bfloat16
+  pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is loaded
+  (:func:`_kernel_kind` picks). Numba's loops serve head_dim not a multiple of 16. On CPUs with AMX-BF16, bfloat16 prefill and decode with GQA groups of
   2-16 take AMX tiles instead (kernels/amx_attention.py; ``pagekv.attention`` picks the kernel).
 - Per-thread scratch is allocated once per slot per call, never inside the page loop.
 """

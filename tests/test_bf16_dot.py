@@ -314,3 +314,21 @@ def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumu
             expected = acc + p[:, :13].astype(np.float64) @ v64[:13]
             values(acc, v, p, 13, v.ctypes.data)
             np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, page_size, head_dim, products, expected", [
+    ("bfloat16", 16, 128, True, bf16.PAIRED),
+    ("bfloat16", 2, 80, True, bf16.PAIRED),
+    ("bfloat16", 17, 128, True, "bfloat16"),   # odd page size: no packed pairs
+    ("bfloat16", 16, 72, True, "bfloat16"),    # head_dim not a multiple of 16 (Numba's loops)
+    ("bfloat16", 16, 128, False, "bfloat16"),  # no bfloat16 products, or fast_bf16=False
+    ("float16", 16, 128, True, "float16"),
+    ("float32", 16, 128, True, "float32"),
+])
+def test_kernel_kind_takes_the_paired_tiles_only_where_they_apply(kind, page_size, head_dim,
+                                                                  products, expected):
+    from pagekv import _arrays
+    from pagekv.kernels.attention import _kernel_kind
+
+    cache = np.zeros((1, 1, page_size, head_dim), np.float32 if kind == "float32" else np.uint16)
+    assert _kernel_kind(cache, _arrays.KV_FORMAT[kind], products) == expected
