@@ -623,9 +623,10 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
                 *, storage):
     """acc += p @ v for ``rows`` accumulator rows of float32: F32_CHUNKS chunks of 16 floats of
     each row per pass (fewer where they would not fit in registers: ACCUMULATORS), held in
-    registers across all n value rows (then head_dim's last chunks); the probabilities are float32, one per token (p_first + r * p_step: row r's); pf:
-    the addresses of the blocks to prefetch. The value rows are of ``storage`` (float32, float16
-    or bfloat16; the 16-bit ones widened as they are loaded)."""
+    registers across all n value rows (then head_dim's last chunks); the probabilities are
+    float32, one per token (p_first + r * p_step: row r's); pf: the addresses of the blocks to
+    prefetch. The value rows are of ``storage`` (float32, float16 or bfloat16; the 16-bit ones
+    widened as they are loaded)."""
     half = storage != "float32"
     value_bytes = 2 if half else 4
     per_pass = max(1, min(F32_CHUNKS, ACCUMULATORS // rows))  # chunks of each row in registers

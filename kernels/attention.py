@@ -29,8 +29,8 @@ How the work is shaped:
   multiple of 16) computes scores and values by float32 FMA tiles of the same shapes: 1.4-1.7x
   faster there than Numba's loops; decode too (see :func:`decode`). float16 pages, and bfloat16
   pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is loaded
-  (:func:`_kernel_kind` picks). Numba's loops serve head_dim not a multiple of 16. On CPUs with AMX-BF16, bfloat16 prefill and decode with GQA groups of
-  2-16 take AMX tiles instead (kernels/amx_attention.py; ``pagekv.attention`` picks the kernel).
+  (:func:`_kernel_kind` picks). Numba's loops serve head_dim not a multiple of 16. On CPUs with
+  AMX-BF16, bfloat16 prefill and decode with GQA groups of 2-16 take AMX tiles instead (kernels/amx_attention.py; ``pagekv.attention`` picks the kernel).
 - Per-thread scratch is allocated once per slot per call, never inside the page loop.
 """
 
