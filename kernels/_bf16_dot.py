@@ -54,7 +54,8 @@ from numba.extending import intrinsic
 
 from pagekv.kernels.prefetch import emit_prefetch
 
-HAS_AVX512_BF16 = bool(llvm.get_host_cpu_features().get("avx512bf16"))
+_HOST_FEATURES = llvm.get_host_cpu_features()
+HAS_AVX512_BF16 = bool(_HOST_FEATURES.get("avx512bf16"))
 PAIRED = "bfloat16 pairs"  # the storage name of the vdpbf16ps tiles (the others are FMA tiles)
 LANES = 16  # float32 lanes of one 512-bit register
 PAIRS = 32  # bfloat16 elements of one 512-bit register: one chunk of a row
@@ -64,7 +65,7 @@ ROW_REGISTERS = 16  # accumulator registers of the one-row value tile: head_dim 
 # registers; on AVX2 a <16 x float> takes two of its 16 registers, so 4. Tiles with more
 # accumulators spilled them to the stack on every multiply-add (AMD EPYC, AVX2: a 4 x 4 score
 # tile held S1 decode to ~40% of the roof).
-ACCUMULATORS = 16 if llvm.get_host_cpu_features().get("avx512f") else 4
+ACCUMULATORS = 16 if _HOST_FEATURES.get("avx512f") else 4
 
 _F32 = ir.FloatType()
 _I16 = ir.IntType(16)

@@ -17,7 +17,6 @@ from pagekv import attention
 from pagekv.kernels import _bf16_dot as bf16
 
 ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops take
-STALE = 0x7FC0  # a bfloat16 NaN: what a page's unused rows may hold
 
 
 PAIRED = bf16.PAIRED
@@ -67,12 +66,15 @@ def _bf16(rng, shape):
     return to_storage(rng.standard_normal(shape), "bfloat16")
 
 
-def _padded_rows(rng, num_rows, head_dim):
-    """Rows of bfloat16 values 16 elements apart from each other, the gaps NaN: a tile that reads
-    past a row's head_dim elements (the 16-wide tail of head_dim 80, say) turns its result NaN."""
-    rows = _bf16(rng, (num_rows, head_dim + 16))
-    rows[:, head_dim:] = STALE
-    return rows[:, :head_dim]
+def _nan_padded_rows(rng, num_rows, filled, head_dim, storage="bfloat16"):
+    """num_rows rows of ``storage`` (float32, float16 or bfloat16 bits) whose first ``filled`` rows
+    hold random values and whose other rows, and the 16 elements after each row, hold NaN (what a
+    page's unused rows may hold): a tile that reads past them turns its result NaN. Returns (the
+    rows as their bits, their float64 values, NaN where not filled)."""
+    values = np.full((num_rows, head_dim + 16), np.nan)
+    values[:filled, :head_dim] = rng.standard_normal((filled, head_dim))
+    stored = to_storage(values, storage)[:, :head_dim]
+    return stored.view(np.uint32 if storage == "float32" else np.uint16), widen(stored, storage)
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
@@ -80,26 +82,40 @@ def _padded_rows(rng, num_rows, head_dim):
        st.integers(0, 2**16), st.booleans())
 def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch):
     rng = np.random.default_rng(seed)
-    q, k = _bf16(rng, (rows, head_dim)), _padded_rows(rng, tokens, head_dim)
+    q = _bf16(rng, (rows, head_dim))
+    k, k64 = _nan_padded_rows(rng, tokens, tokens, head_dim)
     out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
     _scores(tokens, PAIRED)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
-    expected = widen(q, "bfloat16") @ widen(k, "bfloat16").T * np.float64(np.float32(scale))
+    expected = widen(q, "bfloat16") @ k64.T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
 
 
-def _fma_rows(rng, num_rows, filled, head_dim, storage):
-    """num_rows rows of ``storage`` (float32, float16 or bfloat16 bits) whose first ``filled`` rows
-    hold random values and whose other rows, and the 16 elements after each row, hold NaN: a tile
-    that reads past them turns its result NaN. Returns (the rows as their bits, their float64
-    values, NaN where not filled)."""
-    values = np.full((num_rows, head_dim + 16), np.nan)
-    values[:filled, :head_dim] = rng.standard_normal((filled, head_dim))
-    stored = to_storage(values, storage)[:, :head_dim]
-    return stored.view(np.uint32 if storage == "float32" else np.uint16), widen(stored, storage)
-
-
 FMA_STORAGE = ["float32", "float16", "bfloat16"]
+
+
+def _check_fma_scores(run, rng, rows, tokens, head_dim, storage, scale, prefetch):
+    """An FMA score tile (compiled ``run``) on float32 queries and NaN-padded key rows of
+    ``storage`` against float64; the output columns past the tile's stay NaN."""
+    q = rng.standard_normal((rows, head_dim)).astype(np.float32)
+    k, k64 = _nan_padded_rows(rng, tokens, tokens, head_dim, storage)
+    out = np.full((rows, 8), np.nan, np.float32)
+    run(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    expected = q.astype(np.float64) @ k64.T * np.float64(np.float32(scale))
+    np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
+    assert np.isnan(out[:, tokens:]).all()
+
+
+def _check_fma_values(run, rng, rows, head_dim, num_tokens, storage):
+    """An FMA value tile (compiled ``run``) over num_tokens rows of a 16-row NaN-padded page of
+    ``storage``, the probabilities past num_tokens NaN, against float64."""
+    v, v64 = _nan_padded_rows(rng, 16, num_tokens, head_dim, storage)
+    p = np.full((rows, 16), np.nan, np.float32)
+    p[:, :num_tokens] = rng.random((rows, num_tokens))
+    acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
+    expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v64[:num_tokens]
+    run(acc, v, p, num_tokens, v.ctypes.data)
+    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
@@ -107,14 +123,8 @@ FMA_STORAGE = ["float32", "float16", "bfloat16"]
        st.integers(0, 2**16), st.booleans(), st.sampled_from(FMA_STORAGE))
 def test_fma_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch, storage):
     """float32 queries against float32, float16 or bfloat16 keys (widened as the tile loads them)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((rows, head_dim)).astype(np.float32)
-    k, k64 = _fma_rows(rng, tokens, tokens, head_dim, storage)
-    out = np.full((rows, 8), np.nan, np.float32)
-    _scores(tokens, storage)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
-    expected = q.astype(np.float64) @ k64.T * np.float64(np.float32(scale))
-    np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
-    assert np.isnan(out[:, tokens:]).all()
+    _check_fma_scores(_scores(tokens, storage), np.random.default_rng(seed), rows, tokens, head_dim,
+                      storage, scale, prefetch)
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
@@ -125,14 +135,13 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     each row) hold NaN; an odd last token is taken alone (its partner row is never multiplied,
     even by a zero). head_dim past 256 takes the one-row tile's other walk (chunks outer)."""
     rng = np.random.default_rng(seed)
-    v = _padded_rows(rng, 16, head_dim)
-    v[num_tokens:] = STALE
+    v, v64 = _nan_padded_rows(rng, 16, num_tokens, head_dim)
     p = rng.random((rows, 16)).astype(np.float32)
     packed = np.zeros((rows, 9), np.uint32)
     _pack(p, num_tokens, packed)
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     rounded = widen(to_storage(p, "bfloat16"), "bfloat16")[:, :num_tokens]
-    expected = acc + rounded @ widen(v[:num_tokens], "bfloat16")
+    expected = acc + rounded @ v64[:num_tokens]
     order = _value_order(head_dim)  # the tile keeps dimension order[j] at position j
     tile_acc = acc[:, order].copy()
     _values(PAIRED)(tile_acc, v, packed, num_tokens, v.ctypes.data)
@@ -157,14 +166,8 @@ def test_fma_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_t
     """acc += p @ v over num_tokens float32, float16 or bfloat16 rows of a 16-row page whose other
     rows, the gaps after each row and the probabilities past num_tokens hold NaN; head_dim
     80-112 and 272 end in a pass of 1-3 chunks."""
-    rng = np.random.default_rng(seed)
-    v, v64 = _fma_rows(rng, 16, num_tokens, head_dim, storage)
-    p = np.full((rows, 16), np.nan, np.float32)
-    p[:, :num_tokens] = rng.random((rows, num_tokens))
-    acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
-    expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v64[:num_tokens]
-    _values(storage)(acc, v, p, num_tokens, v.ctypes.data)
-    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
+    _check_fma_values(_values(storage), np.random.default_rng(seed), rows, head_dim, num_tokens,
+                      storage)
 
 
 @given(st.lists(st.floats(-2.0**100, 2.0**100, width=32), min_size=1, max_size=40))
@@ -299,21 +302,9 @@ def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumu
     values = _values_harness(storage)
     for rows in ROWS:
         for head_dim in (16, 80, 128, 256):
-            q = rng.standard_normal((rows, head_dim)).astype(np.float32)
             for tokens, run in runs.items():
-                k, k64 = _fma_rows(rng, tokens, tokens, head_dim, storage)
-                out = np.full((rows, 8), np.nan, np.float32)
-                run(q, k, np.float32(0.5), out, k.ctypes.data)
-                np.testing.assert_allclose(out[:, :tokens], q @ k64.T * 0.5, rtol=1e-5,
-                                           atol=1e-5 * head_dim)
-                assert np.isnan(out[:, tokens:]).all()
-            v, v64 = _fma_rows(rng, 16, 13, head_dim, storage)
-            p = np.full((rows, 16), np.nan, np.float32)
-            p[:, :13] = rng.random((rows, 13))
-            acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
-            expected = acc + p[:, :13].astype(np.float64) @ v64[:13]
-            values(acc, v, p, 13, v.ctypes.data)
-            np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
+                _check_fma_scores(run, rng, rows, tokens, head_dim, storage, 0.5, True)
+            _check_fma_values(values, rng, rows, head_dim, 13, storage)
 
 
 @pytest.mark.parametrize("kind, page_size, head_dim, products, expected", [
