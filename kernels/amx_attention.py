@@ -33,7 +33,7 @@ from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
 from pagekv.kernels._math import fast_exp
 from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _finish_row, _prefill_ahead,
-                                      _slot_scratch, _softmax_update, _start_decode_item, _start_item)
+                                      _thread_scratch, _softmax_update, _start_decode_item, _start_item)
 from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_rows
 
 ROWS, CHUNK, ROW_BYTES = _amx.ROWS, _amx.CHUNK, _amx.ROW_BYTES
@@ -226,7 +226,7 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
     cols = chunk_pages * page_size
     row_bytes = k_cache.strides[2]
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores = _slot_scratch(padded_rows, cols, head_dim)
+        qs, acc, m, l, qpos, scores = _thread_scratch(padded_rows, cols, head_dim)
         q_bits = np.zeros((padded_rows, head_dim), np.uint16)
         pairs = _pair_rows(cols)
         packed = np.zeros((padded_rows, pairs), np.uint32)
@@ -376,7 +376,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     share = -(-ROWS * row_bytes // (-(-chunks // pass_chunks) * quad)) * quad
     configs = _amx.decode_configs(group)
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores = _slot_scratch(padded_rows, cols, head_dim)
+        qs, acc, m, l, qpos, scores = _thread_scratch(padded_rows, cols, head_dim)
         scores_by_key = np.empty((cols, padded_rows), np.float32)  # the score tiles' layout
         q_bits = np.empty((num_q_heads, head_dim), np.uint16)
         q_t = np.zeros((num_kv_heads, chunks, ROWS, ROWS), np.uint32)

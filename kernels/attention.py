@@ -14,9 +14,10 @@ How the work is shaped:
 - Online softmax is folded once per chunk of pages (at least CHUNK_TOKENS keys, whole pages): the
   chunk's scores are computed first, then the running max, sum and accumulator are rescaled once
   (the design note rescaled on every new maximum token).
-- Work items are assigned to ``num_slots`` slots (one per thread) by a planner that balances pages,
+- Work items are assigned to ``num_slots`` slots of equal cost by a planner that balances pages,
   cutting long sequences into pieces (flash-decoding); pieces are merged by log-sum-exp. The
-  parallel loop runs over slots, so no thread waits for another's long sequence.
+  threads claim the slots one by one as they come free (kernels/slots.py: a few per thread), so
+  no thread waits for another's long sequence, nor for a thread the machine runs slower.
 - While a block (one page of one KV head) is read, the block a fixed distance ahead in the item's
   visit order is prefetched into L2, a few lines per token row (kernels/prefetch.py says why: it
   took S1 decode from ~50% to ~80% of the streaming-read bandwidth); decode's tiles ask again for
@@ -31,17 +32,17 @@ How the work is shaped:
   pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is loaded
   (:func:`_kernel_kind` picks). Numba's loops serve head_dim not a multiple of 16. On CPUs with
   AMX-BF16, bfloat16 prefill and decode with GQA groups of 2-16 take AMX tiles instead (kernels/amx_attention.py; ``pagekv.attention`` picks the kernel).
-- Per-thread scratch is allocated once per slot per call, never inside the page loop.
+- Per-thread scratch is allocated once per thread per call, never inside the page loop.
 """
 
 import math
 from typing import Any
 
 import numpy as np
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
-from pagekv.kernels import _amx
+from pagekv.kernels import _amx, slots
 from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
 from pagekv.kernels._math import fast_exp, fmax
@@ -432,10 +433,10 @@ def _softmax_update(scores, r0, num_rows, num_cols, key0, qpos, masked, window, 
 
 
 @njit(**_JIT)
-def _slot_scratch(rows, cols, head_dim):
-    """A thread slot's working arrays, allocated once per kernel call and slot (never per page):
-    scaled queries and accumulators [rows, head_dim], running max and sum [rows], query positions
-    [rows] and scores [rows, cols]."""
+def _thread_scratch(rows, cols, head_dim):
+    """A thread's working arrays, allocated once per kernel call and thread (once per slot in the
+    AMX kernels), never per page: scaled queries and accumulators [rows, head_dim], running max
+    and sum [rows], query positions [rows] and scores [rows, cols]."""
     return (np.empty((rows, head_dim), np.float32), np.empty((rows, head_dim), np.float32),
             np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty(rows, np.int64),
             np.empty((rows, cols), np.float32))
@@ -533,7 +534,7 @@ def _decode_kernel(kind):
 
     @njit(parallel=True, **_JIT)
     def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
-               window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks):
+               window, soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, num_threads):
         num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         num_q_heads = q.shape[1]
         group = num_q_heads // num_kv_heads
@@ -545,62 +546,66 @@ def _decode_kernel(kind):
         dots = not fma  # the vdpbf16ps tiles' rounded queries and probabilities
         # Numba's loops ask for each line once (kernels/prefetch.py): no second block address for them.
         distances = (prefetch_blocks[0], prefetch_blocks[1] if tiles else 0)
-        for slot in prange(slot_indptr.shape[0] - 1):
-            qs, acc, m, l, qpos, scores = _slot_scratch(
+        num_slots, next_slot = slot_indptr.shape[0] - 1, slots.new_counter()
+        for _ in prange(min(num_slots, num_threads)):
+            qs, acc, m, l, qpos, scores = _thread_scratch(
                 num_q_heads, chunk_pages * page_size, head_dim)
             q_bits, packed = _dot_scratch(num_q_heads, chunk_pages * page_size, head_dim, dots)
-            for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
-                seq, page_begin, page_end, part = items[item]
-                seq_len = seq_lens[seq]
-                _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos)
-                for first in range(page_begin, page_end, chunk_pages):
-                    last = min(first + chunk_pages, page_end)
-                    key0 = first * page_size
-                    num_cols = min((last - first) * page_size, seq_len - key0)
-                    for p in range(first, last):  # scores of every head, page by page (contiguous)
-                        page = block_table[seq, p]
-                        num_tokens = min(page_size, seq_len - p * page_size)
-                        for head in range(num_kv_heads):
-                            ahead, again = _blocks_ahead(
-                                k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
-                                page_end, chunk_pages, False, distances)
-                            if not tiles:
-                                _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
-                                             num_tokens, scores, (p - first) * page_size, ahead)
-                            elif fma:  # the queries are scaled already
-                                _DECODE_SCORES(kind, qs, head * group, group, k_cache, page, head,
-                                            num_tokens, np.float32(1.0), scores,
-                                            (p - first) * page_size, ahead, again)
-                            else:
-                                _DECODE_SCORES(kind, q_bits, head * group, group, k_cache, page, head,
-                                            num_tokens, scale, scores, (p - first) * page_size,
-                                            ahead, again)
-                    masked = window > 0 and key0 <= seq_len - 1 - window
-                    _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
-                                    soft_cap, alibi_slopes, m, l, acc)
-                    if dots:
-                        bf16.pack_pairs(scores, 0, num_q_heads, num_cols, packed)
-                    for p in range(first, last):
-                        page = block_table[seq, p]
-                        num_tokens = min(page_size, seq_len - p * page_size)
-                        for head in range(num_kv_heads):
-                            ahead, again = _blocks_ahead(
-                                k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
-                                page_end, chunk_pages, True, distances)
-                            if not tiles:
-                                _page_accumulate(scores, head * group, group, (p - first) * page_size,
-                                                 v_cache, page, head, kv_format, num_tokens, acc, ahead)
-                            elif fma:
-                                _DECODE_VALUES(kind, scores, head * group, group, (p - first) * page_size,
-                                                v_cache, page, head, num_tokens, acc, ahead, again)
-                            else:
-                                _DECODE_VALUES(kind, packed, head * group, group, (p - first) * page_size,
-                                                v_cache, page, head, num_tokens, acc, ahead, again)
-                for h in range(num_q_heads):
-                    if part < 0:
-                        lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], dots)
-                    else:
-                        part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h], dots)
+            slot = slots.claim(next_slot)
+            while slot < num_slots:
+                for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
+                    seq, page_begin, page_end, part = items[item]
+                    seq_len = seq_lens[seq]
+                    _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos)
+                    for first in range(page_begin, page_end, chunk_pages):
+                        last = min(first + chunk_pages, page_end)
+                        key0 = first * page_size
+                        num_cols = min((last - first) * page_size, seq_len - key0)
+                        for p in range(first, last):  # scores of every head, page by page (contiguous)
+                            page = block_table[seq, p]
+                            num_tokens = min(page_size, seq_len - p * page_size)
+                            for head in range(num_kv_heads):
+                                ahead, again = _blocks_ahead(
+                                    k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
+                                    page_end, chunk_pages, False, distances)
+                                if not tiles:
+                                    _page_scores(qs, head * group, group, k_cache, page, head, kv_format,
+                                                 num_tokens, scores, (p - first) * page_size, ahead)
+                                elif fma:  # the queries are scaled already
+                                    _DECODE_SCORES(kind, qs, head * group, group, k_cache, page, head,
+                                                num_tokens, np.float32(1.0), scores,
+                                                (p - first) * page_size, ahead, again)
+                                else:
+                                    _DECODE_SCORES(kind, q_bits, head * group, group, k_cache, page, head,
+                                                num_tokens, scale, scores, (p - first) * page_size,
+                                                ahead, again)
+                        masked = window > 0 and key0 <= seq_len - 1 - window
+                        _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
+                                        soft_cap, alibi_slopes, m, l, acc)
+                        if dots:
+                            bf16.pack_pairs(scores, 0, num_q_heads, num_cols, packed)
+                        for p in range(first, last):
+                            page = block_table[seq, p]
+                            num_tokens = min(page_size, seq_len - p * page_size)
+                            for head in range(num_kv_heads):
+                                ahead, again = _blocks_ahead(
+                                    k_cache, v_cache, block_table, seq, p, head, num_kv_heads, first, last,
+                                    page_end, chunk_pages, True, distances)
+                                if not tiles:
+                                    _page_accumulate(scores, head * group, group, (p - first) * page_size,
+                                                     v_cache, page, head, kv_format, num_tokens, acc, ahead)
+                                elif fma:
+                                    _DECODE_VALUES(kind, scores, head * group, group, (p - first) * page_size,
+                                                    v_cache, page, head, num_tokens, acc, ahead, again)
+                                else:
+                                    _DECODE_VALUES(kind, packed, head * group, group, (p - first) * page_size,
+                                                    v_cache, page, head, num_tokens, acc, ahead, again)
+                    for h in range(num_q_heads):
+                        if part < 0:
+                            lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], dots)
+                        else:
+                            part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h], dots)
+                slot = slots.claim(next_slot)
 
     return decode
 
@@ -631,7 +636,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     """
     _DECODE[_kernel_kind(k_cache, kv_format, dot_products)](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale, window,
-        soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks)
+        soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, get_num_threads())
 
 
 @njit(parallel=True, **_JIT)
@@ -672,7 +677,7 @@ def _prefill_kernel(kind):
 
     @njit(parallel=True, **_JIT)
     def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
-                scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks):
+                scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, num_threads):
         num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // num_kv_heads
         max_rows = QUERY_BLOCK * group
@@ -681,60 +686,64 @@ def _prefill_kernel(kind):
         # Numba's loops, kernels/_bf16_dot.py), as in decode. The queries are scaled already.
         tiles = _takes_fma_tiles(k_cache) if fma else True
         dots = not fma
-        for slot in prange(slot_indptr.shape[0] - 1):
-            qs, acc, m, l, qpos, scores = _slot_scratch(
+        num_slots, next_slot = slot_indptr.shape[0] - 1, slots.new_counter()
+        for _ in prange(min(num_slots, num_threads)):
+            qs, acc, m, l, qpos, scores = _thread_scratch(
                 max_rows, chunk_pages * page_size, head_dim)
             q_bits, packed = _dot_scratch(max_rows, chunk_pages * page_size, head_dim, dots)
             slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
-            for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
-                seq, head, row_begin, row_end = items[item]
-                seq_len = seq_lens[seq]
-                num_rows, low, high, page_begin, page_end = _start_item(
-                    q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
-                    scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
-                for first in range(page_begin, page_end, chunk_pages):
-                    last = min(first + chunk_pages, page_end)
-                    key0 = first * page_size
-                    num_cols = min((last - first) * page_size, seq_len - key0)
-                    for p in range(first, last):
-                        ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
-                                               page_end, chunk_pages, False, prefetch_blocks)
-                        num_tokens = min(page_size, seq_len - p * page_size)
-                        if not tiles:
-                            _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
-                                         num_tokens, scores, (p - first) * page_size, ahead)
-                        elif fma:
-                            _PREFILL_SCORES(kind, qs, 0, num_rows, k_cache, block_table[seq, p], head,
-                                        num_tokens, np.float32(1.0), scores, (p - first) * page_size,
-                                        ahead, 0)
-                        else:
-                            _PREFILL_SCORES(kind, q_bits, 0, num_rows, k_cache, block_table[seq, p],
-                                        head, num_tokens, scale, scores,
-                                        (p - first) * page_size, ahead, 0)
-                    masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
-                    _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
-                                    slopes, m, l, acc)
-                    if dots:
-                        bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
-                    for p in range(first, last):
-                        ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
-                                               page_end, chunk_pages, True, prefetch_blocks)
-                        num_tokens = min(page_size, seq_len - p * page_size)
-                        if not tiles:
-                            _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                             block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
-                        elif fma:
-                            _PREFILL_VALUES(kind, scores, 0, num_rows, (p - first) * page_size, v_cache,
-                                            block_table[seq, p], head, num_tokens, acc, ahead, 0)
-                        else:
-                            _PREFILL_VALUES(kind, packed, 0, num_rows, (p - first) * page_size,
-                                            v_cache, block_table[seq, p], head, num_tokens,
-                                            acc, ahead, 0)
-                for i in range(row_end - row_begin):
-                    for g in range(group):
-                        r = i * group + g
-                        lse[row_begin + i, head * group + g] = _finish_row(
-                            acc[r], m[r], l[r], out[row_begin + i, head * group + g], dots)
+            slot = slots.claim(next_slot)
+            while slot < num_slots:
+                for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
+                    seq, head, row_begin, row_end = items[item]
+                    seq_len = seq_lens[seq]
+                    num_rows, low, high, page_begin, page_end = _start_item(
+                        q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
+                        scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
+                    for first in range(page_begin, page_end, chunk_pages):
+                        last = min(first + chunk_pages, page_end)
+                        key0 = first * page_size
+                        num_cols = min((last - first) * page_size, seq_len - key0)
+                        for p in range(first, last):
+                            ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
+                                                   page_end, chunk_pages, False, prefetch_blocks)
+                            num_tokens = min(page_size, seq_len - p * page_size)
+                            if not tiles:
+                                _page_scores(qs, 0, num_rows, k_cache, block_table[seq, p], head, kv_format,
+                                             num_tokens, scores, (p - first) * page_size, ahead)
+                            elif fma:
+                                _PREFILL_SCORES(kind, qs, 0, num_rows, k_cache, block_table[seq, p], head,
+                                            num_tokens, np.float32(1.0), scores, (p - first) * page_size,
+                                            ahead, 0)
+                            else:
+                                _PREFILL_SCORES(kind, q_bits, 0, num_rows, k_cache, block_table[seq, p],
+                                            head, num_tokens, scale, scores,
+                                            (p - first) * page_size, ahead, 0)
+                        masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
+                        _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
+                                        slopes, m, l, acc)
+                        if dots:
+                            bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
+                        for p in range(first, last):
+                            ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
+                                                   page_end, chunk_pages, True, prefetch_blocks)
+                            num_tokens = min(page_size, seq_len - p * page_size)
+                            if not tiles:
+                                _page_accumulate(scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                                 block_table[seq, p], head, kv_format, num_tokens, acc, ahead)
+                            elif fma:
+                                _PREFILL_VALUES(kind, scores, 0, num_rows, (p - first) * page_size, v_cache,
+                                                block_table[seq, p], head, num_tokens, acc, ahead, 0)
+                            else:
+                                _PREFILL_VALUES(kind, packed, 0, num_rows, (p - first) * page_size,
+                                                v_cache, block_table[seq, p], head, num_tokens,
+                                                acc, ahead, 0)
+                    for i in range(row_end - row_begin):
+                        for g in range(group):
+                            r = i * group + g
+                            lse[row_begin + i, head * group + g] = _finish_row(
+                                acc[r], m[r], l[r], out[row_begin + i, head * group + g], dots)
+                slot = slots.claim(next_slot)
 
     return prefill
 
@@ -755,4 +764,4 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     """
     _PREFILL[_kernel_kind(k_cache, kv_format, dot_products)](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr, scale,
-        window, soft_cap, alibi_slopes, out, lse, prefetch_blocks)
+        window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, get_num_threads())

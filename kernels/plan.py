@@ -1,10 +1,11 @@
 """Work planning for the attention kernels: balanced work items, built once per step.
 
-The kernels' parallel loop runs over *slots* (one per thread), and each slot owns a run of work
-items. Numba's ``prange`` hands out iterations in equal static chunks, so balance has to be decided
-here: the decode planner lays every sequence's pages end to end and cuts that line into
-``num_slots`` runs of equal cost, splitting a long sequence across slots where a cut falls inside it
-(flash-decoding). A split sequence's pieces are merged by log-sum-exp afterwards.
+Each *slot* owns a run of work items, and the kernels' threads claim slots one after another as
+they come free (kernels/slots.py; the callers ask for SLOTS_PER_THREAD slots per thread). The
+slots' costs are balanced here: the decode planner lays every sequence's pages end to end and
+cuts that line into ``num_slots`` runs of equal cost, splitting a long sequence across slots where
+a cut falls inside it (flash-decoding). A split sequence's pieces are merged by log-sum-exp
+afterwards.
 """
 
 import numpy as np

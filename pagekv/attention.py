@@ -23,6 +23,7 @@ from pagekv.kernels import attention as _attention
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import convert as _convert
 from pagekv.kernels import plan as _plan
+from pagekv.kernels import slots as _slots
 from pagekv.kernels import threads as _threads
 from pagekv.kernels import validate as _validate
 
@@ -229,7 +230,8 @@ class DecodePlan:
     items : int32 [num_items, 4]
         (seq, page_begin, page_end, part) work items, all KV heads each.
     slot_indptr : int32 [num_slots + 1]
-        Items of thread slot i: ``items[slot_indptr[i]:slot_indptr[i + 1]]``.
+        Items of slot i: ``items[slot_indptr[i]:slot_indptr[i + 1]]``; the threads claim the slots,
+        of equal cost, one by one as they come free.
     split_seqs : int32 [num_split, 3]
         (seq, part_begin, part_end) of sequences split across slots.
     num_parts : int
@@ -254,7 +256,8 @@ def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
     page_size : int
     sliding_window : int, optional
     num_threads : int, optional
-        Defaults to Numba's current thread count.
+        The threads that will run it (defaults to Numba's current thread count): the plan cuts
+        the work into ``kernels.slots.SLOTS_PER_THREAD`` slots of equal cost per thread.
 
     Returns
     -------
@@ -264,7 +267,8 @@ def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise ValueError(f"expected page_size a positive integer, got {page_size!r}")
     window = _positive_int(sliding_window, "sliding_window", optional=True)
-    num_slots = numba.get_num_threads() if num_threads is None else _positive_int(num_threads, "num_threads")
+    threads = numba.get_num_threads() if num_threads is None else _positive_int(num_threads, "num_threads")
+    num_slots = threads * _slots.SLOTS_PER_THREAD  # claimed by the threads as they come free
     min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
     items, slot_indptr, split_seqs, num_parts = _plan.plan_decode(
         lens, page_size, window, num_slots, min_chunk)
@@ -420,7 +424,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
         s = int(np.argmax(q_lens > lens))
         raise ValueError(f"expected seq_lens[{s}] >= its {q_lens[s]} query tokens, got {lens[s]}")
     items, slot_indptr = _plan.plan_prefill(lens, indptr, page_size, num_kv_heads, window,
-                                            numba.get_num_threads())
+                                            numba.get_num_threads() * _slots.SLOTS_PER_THREAD)
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_tokens, num_q_heads), np.float32)
     _threads.start()

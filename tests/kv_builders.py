@@ -5,6 +5,7 @@ import contextlib
 import numpy as np
 
 from pagekv import attention
+from pagekv.kernels import slots
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 # Tolerance on max|out - ref| / max|ref| by output (query) dtype: float32 accumulates in float32,
@@ -32,6 +33,17 @@ def bf16_products(enabled):
         yield
     finally:
         attention.BF16_PRODUCTS = saved
+
+
+@contextlib.contextmanager
+def slots_per_thread(count):
+    """``slots.SLOTS_PER_THREAD`` set to ``count`` inside (plans made there cut that many slots per
+    thread)."""
+    saved, slots.SLOTS_PER_THREAD = slots.SLOTS_PER_THREAD, count
+    try:
+        yield
+    finally:
+        slots.SLOTS_PER_THREAD = saved
 
 
 def to_storage(values, kind):

@@ -6,8 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_builders import (FAST_BF16_TOLERANCE, TOLERANCE, PagedKV, bf16_products, relative_error,
-                         takes_fast_bf16, to_storage, widen)
+                         slots_per_thread, takes_fast_bf16, to_storage, widen)
 from pagekv import attention
+from pagekv.kernels import slots
 from pagekv.reference import attention as reference
 
 HEAD_DIMS = [64, 72, 80, 96, 128, 256]  # 72: not a multiple of 16, so Numba's loops, not tiles
@@ -238,16 +239,17 @@ def test_split_and_unsplit_plans_agree(window, products):
     rng = np.random.default_rng(3)
     kv = PagedKV(rng, [4099, 5, 2000], num_kv_heads=2, head_dim=128, page_size=16, kind="bfloat16")
     q = rng.standard_normal((3, 8, 128)).astype(np.float32)
-    outs = {}
+    outs, splits = {}, {}
     for threads in (1, 7):
-        plan = attention.plan_decode(kv.seq_lens, page_size=16, sliding_window=window,
-                                     num_threads=threads)
+        with slots_per_thread(1 if threads == 1 else slots.SLOTS_PER_THREAD):
+            plan = attention.plan_decode(kv.seq_lens, page_size=16, sliding_window=window,
+                                         num_threads=threads)
+        splits[threads] = len(plan.split_seqs)
         with bf16_products(products):
             outs[threads] = attention.paged_decode_attention(
                 q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=plan, sliding_window=window,
                 return_lse=True)
-    assert len(attention.plan_decode(kv.seq_lens, page_size=16,
-                                     num_threads=7).split_seqs) > 0, "the 7-slot plan must split"
+    assert splits == {1: 0, 7: splits[7]} and splits[7] > 0, "one plan whole, the other split"
     if products:
         assert relative_error(outs[7][0], outs[1][0].astype(np.float64)) <= FAST_BF16_TOLERANCE
     else:
@@ -257,9 +259,11 @@ def test_split_and_unsplit_plans_agree(window, products):
 
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 16),
        st.sampled_from([1, 16, 128]))
-def test_plan_covers_every_page_once_and_balances(seq_lens, num_slots, page_size):
+def test_plan_covers_every_page_once_and_balances(seq_lens, threads, page_size):
     plan = attention.plan_decode(np.array(seq_lens, np.int32), page_size=page_size,
-                                 num_threads=num_slots)
+                                 num_threads=threads)
+    num_slots = threads * slots.SLOTS_PER_THREAD
+    assert plan.slot_indptr.shape == (num_slots + 1,)
     covered = {}
     for seq, begin, end, part in plan.items:
         covered.setdefault(seq, []).append((begin, end, part))
