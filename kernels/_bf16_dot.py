@@ -41,6 +41,12 @@ accumulators (ACCUMULATORS): a 4 x 4 score tile or a 4-row value tile of 4 chunk
 to the stack on every multiply-add. Measured on an AMD EPYC (Zen 3, AVX2) from L1, 4 query rows,
 head_dim 128, cycles per 8-wide FMA at 2.45 GHz: score tile 1.23 -> 0.64 (two key rows per
 accumulator, :func:`_make_qk_tile`), value tile 1.47 -> 0.52-0.65 (one chunk per pass).
+There the bfloat16 FMA tiles also read rows in pair order (PAIR_ORDER, :func:`pair_dim`): a
+32-bit word of a row holds an even and an odd dimension, so a 32-byte load, a shift and a mask
+widen 16 dimensions (evens, then odds), where the natural order took two vpmovzxwd and two
+shifts; the query is stored in the same order and the sums are put back in order once per row.
+Same EPYC, in one process, alternating: from L1 the score tile 0.70-0.90x the time (1-4 rows),
+the value tile 0.70-1.05x; S1 bfloat16 decode from L2 30-33 -> 38-41 GFMA/s, G8 39-40 -> 47-56.
 """
 
 from typing import Any
@@ -66,6 +72,11 @@ ROW_REGISTERS = 16  # accumulator registers of the one-row value tile: head_dim 
 # accumulators spilled them to the stack on every multiply-add (AMD EPYC, AVX2: a 4 x 4 score
 # tile held S1 decode to ~40% of the roof).
 ACCUMULATORS = 16 if _HOST_FEATURES.get("avx512f") else 4
+# bfloat16 rows for the FMA tiles in pair order on AVX2: each 16 dims of a row as their 8 even,
+# then 8 odd dims (:func:`pair_dim`), so one 32-byte load, a shift and a mask widen all 16
+# (:func:`_load_bf16_pairs`), against two vpmovzxwd and two shifts in natural order.
+PAIR_ORDER = ACCUMULATORS < 16
+PAIR_BLOCK = 16  # dimensions of a pair-order block
 
 _F32 = ir.FloatType()
 _I16 = ir.IntType(16)
@@ -227,6 +238,17 @@ def _load_bf16_wide(builder, address, lanes=LANES):
     return builder.bitcast(builder.shl(bits, ir.Constant(wide, [16] * lanes)), ir.VectorType(_F32, lanes))
 
 
+def _load_bf16_pairs(builder, address):
+    """The PAIR_BLOCK bfloat16 numbers at address as float32, exactly, in pair order: (even
+    dims, odd dims), two <8 x float>. Each 32-bit word holds an even dim in its low half and the
+    next odd dim in its high half: shifted left 16 bits it is the even one, masked the odd."""
+    words = _load(builder, address, ir.VectorType(_I32, PAIR_BLOCK // 2))
+    half = ir.VectorType(_F32, PAIR_BLOCK // 2)
+    evens = builder.shl(words, ir.Constant(words.type, [16] * (PAIR_BLOCK // 2)))
+    odds = builder.and_(words, ir.Constant(words.type, [0xFFFF0000] * (PAIR_BLOCK // 2)))
+    return builder.bitcast(evens, half), builder.bitcast(odds, half)
+
+
 def _load_wide(builder, address, storage, lanes=LANES):
     """``lanes`` numbers of ``storage`` (float32, float16 or bfloat16) at address as float32."""
     if storage == "float32":
@@ -295,7 +317,8 @@ def _keys_per_pass(rows, tokens, halves):
 def _make_qk_tile(tokens, *, storage=PAIRED):
     """Tiles of rows x tokens scores, rows (1-4) the first argument, head_dim a multiple of 16:
     bfloat16 key rows and queries by vdpbf16ps (``storage=PAIRED``), or float32 queries and
-    float32, float16 or bfloat16 key rows (widened as they are loaded) by FMAs.
+    float32, float16 or bfloat16 key rows (widened as they are loaded) by FMAs; with bfloat16
+    keys and PAIR_ORDER the query rows are in pair order (:func:`pair_dim`).
 
     FMA tiles on CPUs with 16 vector registers (AVX2: ACCUMULATORS < 16) put two key rows in each
     accumulator, 8 dimensions of each (``halves``): a 4-row tile then keeps 2 keys x 4 rows in 8
@@ -361,7 +384,33 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
                     s = sums[r * vectors + j]
                     builder.store(dot(builder, builder.load(s), query, key), s)
 
-        if fma:  # chunks of 16 floats (8 with halves) of the query rows and of the key rows
+        def multiply_pairs(offset):
+            """One PAIR_BLOCK of every row in pair order (bfloat16 keys): ``offset`` bytes into
+            the query rows (float32, in pair order), half that into the key rows."""
+            key_offset = builder.lshr(offset, ir.Constant(_I64, 1))
+            pieces = [_load_bf16_pairs(builder, key_row(j, key_offset, PAIR_BLOCK * 2))
+                      for j in range(tokens)]  # (evens, odds) of each key row
+            half = ir.VectorType(_F32, PAIR_BLOCK // 2)
+            for r in range(rows):
+                address = builder.add(q_first, builder.add(builder.mul(q_step, ir.Constant(_I64, r)), offset))
+                q_halves = [_load(builder, builder.add(address, ir.Constant(_I64, 4 * i * (PAIR_BLOCK // 2))),
+                                  half) for i in range(2)]
+                for j in range(vectors):
+                    if halves:  # key rows 2j and 2j + 1 side by side, the query's piece twice
+                        operands = [(_join(builder, pieces[2 * j][i], pieces[2 * j + 1][i]),
+                                     _join(builder, q_halves[i], q_halves[i])) for i in range(2)]
+                    else:  # one key row: its block in one vector, as the query's
+                        operands = [(_join(builder, *pieces[j]), _join(builder, *q_halves))]
+                    s = sums[r * vectors + j]
+                    acc = builder.load(s)
+                    for key, query in operands:
+                        acc = _fma(builder, acc, query, key)
+                    builder.store(acc, s)
+
+        if fma and storage == "bfloat16" and PAIR_ORDER:
+            with cgutils.for_range(builder, builder.udiv(dims, ir.Constant(_I64, PAIR_BLOCK))) as loop:
+                multiply_pairs(builder.mul(loop.index, ir.Constant(_I64, PAIR_BLOCK * 4)))
+        elif fma:  # chunks of 16 floats (8 with halves) of the query rows and of the key rows
             width = LANES // per_vector
             with cgutils.for_range(builder, builder.udiv(dims, ir.Constant(_I64, width))) as loop:
                 multiply(builder.mul(loop.index, ir.Constant(_I64, width * 4)), width,
@@ -466,7 +515,8 @@ def _interleave(builder, v0, v1, width):
 def _make_pv_tile(*, storage=PAIRED):
     """Value tiles of ``rows`` (1-4, the first argument) accumulator rows: bfloat16 value rows by
     vdpbf16ps with packed probability pairs (``storage=PAIRED``), or float32, float16 or bfloat16
-    value rows (widened as they are loaded) and float32 probabilities by FMAs."""
+    value rows (widened as they are loaded) and float32 probabilities by FMAs; with bfloat16 rows
+    and PAIR_ORDER the accumulator rows are in pair order (:func:`pair_dim`)."""
     def emit(builder, rows, *args):
         if storage != PAIRED:
             _values_f32(builder, rows, *args[:8], args[8:], storage=storage)
@@ -653,7 +703,10 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
                 _prefetch_line(builder, pf, builder.add(row, v_steps[c]),
                                builder.add(v_offset, v_steps[c]), LANES * value_bytes)
                 address = builder.add(v_first, builder.add(row, v_steps[c]))
-                values.append(_load_wide(builder, address, storage))
+                if storage == "bfloat16" and PAIR_ORDER:  # a chunk is one block: in pair order
+                    values.append(_join(builder, *_load_bf16_pairs(builder, address)))
+                else:
+                    values.append(_load_wide(builder, address, storage))
             for r in range(rows):
                 p_row = builder.add(builder.mul(p_step, ir.Constant(_I64, r)),
                                     builder.mul(loop.index, ir.Constant(_I64, 4)))
@@ -705,6 +758,23 @@ def value_dim(j, head_dim):
     base, k = j - j % PAIRS, j % PAIRS
     half = LANES if base + PAIRS <= head_dim else LANES // 2
     return base + 8 * ((k % half) // 4) + 4 * (k // half) + k % 4
+
+
+@njit(inline="always", **_JIT)
+def pair_dim(j):
+    """The dimension that position j of a row in pair order holds (PAIR_ORDER: the bfloat16 FMA
+    tiles' queries and accumulators on AVX2): in each block of 16, positions 0-7 hold the even
+    dimensions and 8-15 the odd, j = 16b + i holds 16b + 2i for i < 8, 16b + 2(i - 8) + 1 else."""
+    base, i = j - j % PAIR_BLOCK, j % PAIR_BLOCK
+    half = PAIR_BLOCK // 2
+    return base + 2 * (i % half) + i // half
+
+
+@njit(inline="always", **_JIT)
+def pair_position(d):
+    """The position of dimension d in a row in pair order (the inverse of :func:`pair_dim`)."""
+    base, i = d - d % PAIR_BLOCK, d % PAIR_BLOCK
+    return base + i // 2 + (i % 2) * (PAIR_BLOCK // 2)
 
 
 @njit(inline="always", **_JIT)

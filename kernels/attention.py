@@ -452,33 +452,34 @@ def _dot_scratch(rows, cols, head_dim, dot_products):
 
 
 @njit(inline="always", **_JIT)
-def _start_row(q, token, q_head, r, scale, dots, qs, q_bits, acc, m, l):
+def _start_row(q, token, q_head, r, scale, dots, qs, q_bits, acc, m, l, pairs=False):
     """Set up working row r for query q[token, q_head]: its running max, sum and accumulator
-    cleared, and the query itself — scaled in float32 (qs) for the float32 loops, or rounded to
-    bfloat16 and not scaled (q_bits) for the tiles, which scale the scores, so a bfloat16 query
-    stays exact."""
+    cleared, and the query itself — scaled in float32 (qs) for the FMA tiles and Numba's loops
+    (in pair order with ``pairs``: the bfloat16 FMA tiles' on AVX2, :func:`bf16.pair_dim`), or
+    rounded to bfloat16 and not scaled (q_bits) for the vdpbf16ps tiles, which scale the scores,
+    so a bfloat16 query stays exact."""
     for d in range(acc.shape[1]):
         acc[r, d] = 0.0
         if dots:
             q_bits[r, d] = bf16.to_bf16(q[token, q_head, d])
         else:
-            qs[r, d] = q[token, q_head, d] * scale
+            qs[r, bf16.pair_position(d) if pairs else d] = q[token, q_head, d] * scale
     m[r] = -np.inf
     l[r] = 0.0
 
 
 @njit(inline="always", **_JIT)
-def _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos):
+def _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos, pairs=False):
     """Set up a decode item's working rows: row h for query head h of sequence seq
     (:func:`_start_row`), every row at the sequence's last position."""
     for h in range(q.shape[1]):
-        _start_row(q, seq, h, h, scale, dots, qs, q_bits, acc, m, l)
+        _start_row(q, seq, h, h, scale, dots, qs, q_bits, acc, m, l, pairs)
     qpos[:] = seq_len - 1
 
 
 @njit(inline="always", **_JIT)
 def _start_item(q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
-                scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes):
+                scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes, pairs=False):
     """Set up a prefill item's working rows (query token i of the item, head g of the group: row
     i * group + g) with their query positions and ALiBi slopes (if any), and return (num_rows,
     lowest and highest query position, first and end page the rows see)."""
@@ -486,7 +487,8 @@ def _start_item(q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, pag
     for i in range(row_end - row_begin):
         for g in range(group):
             r = i * group + g
-            _start_row(q, row_begin + i, head * group + g, r, scale, dots, qs, q_bits, acc, m, l)
+            _start_row(q, row_begin + i, head * group + g, r, scale, dots, qs, q_bits, acc, m, l,
+                       pairs)
             qpos[r] = first_pos + row_begin - qo_indptr[seq] + i
             if slopes.shape[0] > 0:
                 slopes[r] = alibi_slopes[head * group + g]
@@ -503,19 +505,25 @@ def _takes_fma_tiles(k_cache):
 
 
 @njit(inline="always", **_JIT)
-def _finish_row(acc_row, m_r, l_r, out_row, dots, amx_sums=False):
+def _finish_row(acc_row, m_r, l_r, out_row, dots, amx_sums=False, pairs=False):
     """Write acc / l to out_row and return the row's log-sum-exp (-inf and zeros if nothing attended).
 
-    dots: the accumulators are the bfloat16 value tiles', their dimensions in the order of
-    :func:`bf16.value_dim`; amx_sums: the AMX value tiles' (:func:`_amx.acc_dim`). Either is put
-    back in order here, once per row."""
+    dots: the accumulators are the vdpbf16ps value tiles', their dimensions in the order of
+    :func:`bf16.value_dim`; amx_sums: the AMX value tiles' (:func:`_amx.acc_dim`); pairs: the
+    bfloat16 FMA tiles' pair order (:func:`bf16.pair_dim`). Each is put back in order here, once
+    per row."""
     if l_r == 0.0:
         out_row[:] = 0.0
         return -np.inf
     inv = np.float32(1.0) / l_r
     head_dim = acc_row.shape[0]
     for j in range(head_dim):
-        d = _amx.acc_dim(j) if amx_sums else bf16.value_dim(j, head_dim) if dots else j
+        if amx_sums:
+            d = _amx.acc_dim(j)
+        elif dots:
+            d = bf16.value_dim(j, head_dim)
+        else:
+            d = bf16.pair_dim(j) if pairs else j
         out_row[d] = acc_row[j] * inv
     return m_r + math.log(l_r)
 
@@ -531,6 +539,7 @@ def _decode_kernel(kind):
     paired rounds: 0.99-1.02x the time).
     """
     fma = kind != bf16.PAIRED  # FMA tiles: the queries are scaled float32, the probabilities float32
+    pair_kind = kind == "bfloat16" and bf16.PAIR_ORDER  # the tiles' rows in pair order (AVX2)
 
     @njit(parallel=True, **_JIT)
     def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale,
@@ -544,6 +553,7 @@ def _decode_kernel(kind):
         # 0-18% faster from memory and 10-50% from cache (kernels/_bf16_dot.py has the exceptions).
         tiles = _takes_fma_tiles(k_cache) if fma else True
         dots = not fma  # the vdpbf16ps tiles' rounded queries and probabilities
+        pairs = pair_kind and tiles
         # Numba's loops ask for each line once (kernels/prefetch.py): no second block address for them.
         distances = (prefetch_blocks[0], prefetch_blocks[1] if tiles else 0)
         num_slots, next_slot = slot_indptr.shape[0] - 1, slots.new_counter()
@@ -556,7 +566,8 @@ def _decode_kernel(kind):
                 for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
                     seq, page_begin, page_end, part = items[item]
                     seq_len = seq_lens[seq]
-                    _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos)
+                    _start_decode_item(q, seq, seq_len, scale, dots, qs, q_bits, acc, m, l, qpos,
+                                       pairs)
                     for first in range(page_begin, page_end, chunk_pages):
                         last = min(first + chunk_pages, page_end)
                         key0 = first * page_size
@@ -602,9 +613,11 @@ def _decode_kernel(kind):
                                                     v_cache, page, head, num_tokens, acc, ahead, again)
                     for h in range(num_q_heads):
                         if part < 0:
-                            lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], dots)
+                            lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], dots,
+                                                      pairs=pairs)
                         else:
-                            part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h], dots)
+                            part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h],
+                                                            dots, pairs=pairs)
                 slot = slots.claim(next_slot)
 
     return decode
@@ -674,6 +687,7 @@ def _prefill_kernel(kind):
     cold compile of prefill took 21-22 s per storage with both kinds of tiles in one kernel,
     12-15 s since; its speed was unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
     fma = kind != bf16.PAIRED
+    pair_kind = kind == "bfloat16" and bf16.PAIR_ORDER
 
     @njit(parallel=True, **_JIT)
     def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
@@ -686,6 +700,7 @@ def _prefill_kernel(kind):
         # Numba's loops, kernels/_bf16_dot.py), as in decode. The queries are scaled already.
         tiles = _takes_fma_tiles(k_cache) if fma else True
         dots = not fma
+        pairs = pair_kind and tiles
         num_slots, next_slot = slot_indptr.shape[0] - 1, slots.new_counter()
         for _ in prange(min(num_slots, num_threads)):
             qs, acc, m, l, qpos, scores = _thread_scratch(
@@ -699,7 +714,7 @@ def _prefill_kernel(kind):
                     seq_len = seq_lens[seq]
                     num_rows, low, high, page_begin, page_end = _start_item(
                         q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
-                        scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
+                        scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes, pairs)
                     for first in range(page_begin, page_end, chunk_pages):
                         last = min(first + chunk_pages, page_end)
                         key0 = first * page_size
@@ -742,7 +757,8 @@ def _prefill_kernel(kind):
                         for g in range(group):
                             r = i * group + g
                             lse[row_begin + i, head * group + g] = _finish_row(
-                                acc[r], m[r], l[r], out[row_begin + i, head * group + g], dots)
+                                acc[r], m[r], l[r], out[row_begin + i, head * group + g], dots,
+                                pairs=pairs)
                 slot = slots.claim(next_slot)
 
     return prefill

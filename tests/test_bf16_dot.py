@@ -94,13 +94,23 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
 FMA_STORAGE = ["float32", "float16", "bfloat16"]
 
 
+def _tile_order(storage, head_dim):
+    """int64 [head_dim]: the dimension each position of an FMA tile's query and accumulator rows
+    holds: pair order for bfloat16 rows where PAIR_ORDER is on (as it is when the tile compiles),
+    else the natural order."""
+    if storage == "bfloat16" and bf16.PAIR_ORDER:
+        return np.array([bf16.pair_dim(j) for j in range(head_dim)])
+    return np.arange(head_dim)
+
+
 def _check_fma_scores(run, rng, rows, tokens, head_dim, storage, scale, prefetch):
-    """An FMA score tile (compiled ``run``) on float32 queries and NaN-padded key rows of
-    ``storage`` against float64; the output columns past the tile's stay NaN."""
+    """An FMA score tile (compiled ``run``) on float32 queries (in the tile's order) and NaN-padded
+    key rows of ``storage`` against float64; the output columns past the tile's stay NaN."""
     q = rng.standard_normal((rows, head_dim)).astype(np.float32)
     k, k64 = _nan_padded_rows(rng, tokens, tokens, head_dim, storage)
     out = np.full((rows, 8), np.nan, np.float32)
-    run(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    tile_q = np.ascontiguousarray(q[:, _tile_order(storage, head_dim)])
+    run(tile_q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = q.astype(np.float64) @ k64.T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
@@ -114,8 +124,10 @@ def _check_fma_values(run, rng, rows, head_dim, num_tokens, storage):
     p[:, :num_tokens] = rng.random((rows, num_tokens))
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     expected = acc.astype(np.float64) + p[:, :num_tokens].astype(np.float64) @ v64[:num_tokens]
-    run(acc, v, p, num_tokens, v.ctypes.data)
-    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-5)
+    order = _tile_order(storage, head_dim)
+    tile_acc = np.ascontiguousarray(acc[:, order])
+    run(tile_acc, v, p, num_tokens, v.ctypes.data)
+    np.testing.assert_allclose(tile_acc, expected[:, order], rtol=1e-5, atol=1e-5)
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
@@ -146,6 +158,16 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     tile_acc = acc[:, order].copy()
     _values(PAIRED)(tile_acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(tile_acc, expected[:, order], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 80, 128, 272])
+def test_pair_order_is_each_blocks_evens_then_odds(head_dim):
+    order = np.array([bf16.pair_dim(j) for j in range(head_dim)])
+    evens_then_odds = np.array([0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15])
+    for block in range(head_dim // 16):
+        np.testing.assert_array_equal(order[16 * block:16 * block + 16], evens_then_odds + 16 * block)
+    positions = np.array([bf16.pair_position(d) for d in range(head_dim)])
+    np.testing.assert_array_equal(order[positions], np.arange(head_dim))  # its inverse
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 128, 272])
@@ -291,12 +313,16 @@ def test_every_merge_adds_two_lanes_of_one_block(block):
 
 
 @pytest.mark.parametrize("accumulators", [4, 16])  # AVX2's register budget, AVX-512's
-@pytest.mark.parametrize("storage", FMA_STORAGE)
-def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumulators, storage):
+@pytest.mark.parametrize("storage, pair_order", [(storage, False) for storage in FMA_STORAGE]
+                         + [("bfloat16", True)])
+def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumulators, storage,
+                                                             pair_order):
     """The FMA tiles take their shape from ACCUMULATORS when they compile: with 16 a 4 x 4 score
     tile and 4-chunk value passes, with 4 two key rows per accumulator (8 dimensions each) and
-    fewer chunks per pass. Both must compute the same scores and sums, whatever the CPU."""
+    fewer chunks per pass; bfloat16 rows in pair order or not (PAIR_ORDER). Every combination
+    must compute the same scores and sums, whatever the CPU."""
     monkeypatch.setattr(bf16, "ACCUMULATORS", accumulators)
+    monkeypatch.setattr(bf16, "PAIR_ORDER", pair_order)
     rng = np.random.default_rng(accumulators)
     runs = {tokens: _scores_harness(tokens, storage) for tokens in (4, 1)}  # compiled now
     values = _values_harness(storage)
