@@ -257,6 +257,34 @@ def test_split_and_unsplit_plans_agree(window, products):
     np.testing.assert_allclose(outs[1][1], outs[7][1], rtol=1e-5, atol=1e-5)  # scores: not rounded
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+@pytest.mark.parametrize("per_thread", [1, 3, 16])
+def test_attention_is_the_same_for_any_slot_count(kind, per_thread):
+    """Decode and prefill with plans of 1, 3 and 16 slots per thread (more slots than sequences:
+    some slots are empty) against the one-slot plan of one thread, which splits nothing."""
+    rng = np.random.default_rng(5)
+    kv = PagedKV(rng, [700, 1, 33, 2100], num_kv_heads=2, head_dim=64, page_size=16, kind=kind)
+    q = rng.standard_normal((4, 4, 64)).astype(np.float32)
+    with slots_per_thread(1):
+        whole = attention.plan_decode(kv.seq_lens, page_size=16, num_threads=1)
+    with slots_per_thread(per_thread):
+        plan = attention.plan_decode(kv.seq_lens, page_size=16)
+        prefill_q = rng.standard_normal((40, 4, 64)).astype(np.float32)
+        indptr = np.array([0, 10, 11, 20, 40], np.int32)
+        cut = attention.paged_prefill_attention(prefill_q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                indptr)
+    assert len(whole.split_seqs) == 0
+    a = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=whole,
+                                         fast_bf16=False)
+    b = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens, plan=plan,
+                                         fast_bf16=False)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    with slots_per_thread(1):
+        uncut = attention.paged_prefill_attention(prefill_q, kv.k, kv.v, kv.block_table,
+                                                  kv.seq_lens, indptr)
+    np.testing.assert_array_equal(cut, uncut)  # prefill items are never split: same sums
+
+
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 16),
        st.sampled_from([1, 16, 128]))
 def test_plan_covers_every_page_once_and_balances(seq_lens, threads, page_size):
