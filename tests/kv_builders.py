@@ -1,6 +1,6 @@
 """Builders of random paged KV caches for the kernel tests (pages in random physical order)."""
 
-import contextlib
+from unittest import mock
 
 import numpy as np
 
@@ -24,26 +24,17 @@ def takes_fast_bf16(kind, head_dim, page_size, fast_bf16=True, products=None):
     return fast_bf16 and products and kind == "bfloat16" and head_dim % 16 == 0 and page_size % 2 == 0
 
 
-@contextlib.contextmanager
 def bf16_products(enabled):
-    """``attention.BF16_PRODUCTS`` set to ``enabled`` inside: True runs the bfloat16 tiles on any
-    CPU (their portable form where AVX512-BF16 is missing), False the float32 products."""
-    saved, attention.BF16_PRODUCTS = attention.BF16_PRODUCTS, enabled
-    try:
-        yield
-    finally:
-        attention.BF16_PRODUCTS = saved
+    """``attention.BF16_PRODUCTS`` set to ``enabled`` inside (a context manager): True runs the
+    bfloat16 tiles on any CPU (their portable form where AVX512-BF16 is missing), False the
+    float32 products."""
+    return mock.patch.object(attention, "BF16_PRODUCTS", enabled)
 
 
-@contextlib.contextmanager
 def slots_per_thread(count):
-    """``slots.SLOTS_PER_THREAD`` set to ``count`` inside (plans made there cut that many slots per
-    thread)."""
-    saved, slots.SLOTS_PER_THREAD = slots.SLOTS_PER_THREAD, count
-    try:
-        yield
-    finally:
-        slots.SLOTS_PER_THREAD = saved
+    """``slots.SLOTS_PER_THREAD`` set to ``count`` inside (a context manager): plans made there cut
+    that many slots per thread."""
+    return mock.patch.object(slots, "SLOTS_PER_THREAD", count)
 
 
 def to_storage(values, kind):
