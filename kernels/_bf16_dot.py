@@ -191,6 +191,31 @@ def _lane_sums(builder, vectors, *, halves=False):
     return vectors[0], lane_of
 
 
+def _four_sums(builder, vectors):
+    """The lane sums of up to 4 <16 x float> vectors in lanes 0-3 of a <16 x float> (lane i: input
+    i's; the lanes above undefined), for CPUs with 256-bit registers: each vector's two halves
+    added, then horizontal adds of pairs (vhaddps), then the two 128-bit halves: 9 instructions
+    for 4 vectors where :func:`_lane_sums`' merges, built for 512-bit registers, took ~22."""
+    eight = ir.VectorType(_F32, 8)
+
+    def half(v, high):
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8), [8 * high + i for i in range(8)]))
+
+    def pairwise(a, b):  # vhaddps: per 128-bit lane, a0+a1, a2+a3, b0+b1, b2+b3
+        mask = ir.VectorType(_I32, 8)
+        evens = builder.shuffle_vector(a, b, ir.Constant(mask, [0, 2, 8, 10, 4, 6, 12, 14]))
+        odds = builder.shuffle_vector(a, b, ir.Constant(mask, [1, 3, 9, 11, 5, 7, 13, 15]))
+        return builder.fadd(evens, odds)
+
+    folded = [builder.fadd(half(v, 0), half(v, 1)) for v in vectors]
+    folded += [ir.Constant(eight, [0.0] * 8)] * (4 - len(folded))
+    both = pairwise(pairwise(folded[0], folded[1]), pairwise(folded[2], folded[3]))
+    quarter = ir.VectorType(_I32, 4)
+    total = builder.fadd(builder.shuffle_vector(both, both, ir.Constant(quarter, [0, 1, 2, 3])),
+                         builder.shuffle_vector(both, both, ir.Constant(quarter, [4, 5, 6, 7])))
+    return builder.shuffle_vector(total, total, ir.Constant(_I32X16, [i % 4 for i in range(LANES)]))
+
+
 def _splat(builder, scalar):
     """A <16 x float> of one float32 (or float64, narrowed) value."""
     if scalar.type != _F32:
@@ -203,12 +228,25 @@ def _zero_accumulators(builder, count):
     return [cgutils.alloca_once_value(builder, ir.Constant(_F32X16, [0.0] * LANES)) for _ in range(count)]
 
 
+def _or_current(builder, blocks, current):
+    """The block addresses to prefetch with each 0 (no block) replaced by ``current``, the block
+    being read: its rows are loaded anyway, so the loops prefetch without a branch.
+
+    Two tests and branches per prefetch had put ~17 of the ~50 instructions in a 4-row value
+    tile's loop (per two tokens) and stood in the way of the multiply-adds: without them S1/G8
+    decode from L2 ran in 0.86-0.92x the time, G7/G8 from memory 0.88-0.96x (float32 and
+    bfloat16; S1/S2 from memory alike, 0.99-1.02), AMD EPYC Zen 3, processes alternating. Asking
+    for each line once per 32-byte chunk instead of once per 64 bytes (no line test at all)
+    gained nothing more (1.00-1.02)."""
+    zero = ir.Constant(current.type, 0)
+    return [builder.select(builder.icmp_unsigned("!=", block, zero), block, current) for block in blocks]
+
+
 def _prefetch_if(builder, blocks, offset):
     """Prefetch block + offset for each of the two block addresses (far ahead into L2, and again
-    nearer into L1: kernels/prefetch.py) that is not 0 (no block to prefetch)."""
+    nearer into L1: kernels/prefetch.py)."""
     for near, block in enumerate(blocks):
-        with builder.if_then(builder.icmp_unsigned("!=", block, ir.Constant(block.type, 0))):
-            emit_prefetch(builder, builder.add(block, offset), into_l1=bool(near))
+        emit_prefetch(builder, builder.add(block, offset), into_l1=bool(near))
 
 
 def _prefetch_line(builder, blocks, offset, row_offset, chunk_bytes):
@@ -324,18 +362,22 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
     accumulator, 8 dimensions of each (``halves``): a 4-row tile then keeps 2 keys x 4 rows in 8
     registers and loads each query chunk once for both keys. With one key row per accumulator
     it kept 1 key x 4 rows, loaded 10 vectors per 8 multiply-adds and reduced 4 accumulators
-    per key (scores from L1 at ~1 cycle per multiply-add, against ~0.55 for the value tile)."""
+    per key (scores from L1 at ~1 cycle per multiply-add, against ~0.55 for the value tile).
+    A one-row tile (MHA, a GQA group's last row) keeps one key per accumulator all the same:
+    4 keys in 8 registers are 8 independent chains of multiply-adds, where two keys per
+    accumulator were 4 chains, each waiting on its last FMA (S3 bfloat16 decode from L2 0.93x
+    the time, AMD EPYC Zen 3, separate processes alternating); its 4 sums take
+    :func:`_four_sums`."""
     fma = storage != PAIRED
 
     def emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, *pf):
-        halves = fma and ACCUMULATORS < 16 and tokens > 1
+        halves = fma and ACCUMULATORS < 16 and tokens > 1 and rows > 1
         per_pass = _keys_per_pass(rows, tokens, halves) if fma else tokens
+        pf = _or_current(builder, pf, k_first)
         for first in range(0, tokens, per_pass):
             keys = min(per_pass, tokens - first)
             skip = builder.mul(k_step, ir.Constant(_I64, first))
-            zero = ir.Constant(_I64, 0)
-            pf_rows = [builder.select(builder.icmp_unsigned("!=", block, zero), builder.add(block, skip),
-                                      zero) for block in pf]  # this pass's rows of the blocks ahead
+            pf_rows = [builder.add(block, skip) for block in pf]  # this pass's rows of the blocks ahead
             emit_pass(builder, rows, keys, halves, q_first, q_step, builder.add(k_first, skip), k_step,
                       dims, factor, builder.add(out_base, ir.Constant(_I64, 4 * first)), out_step,
                       *pf_rows)
@@ -417,12 +459,16 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
                          builder.mul(loop.index, ir.Constant(_I64, width * key_bytes)))
         else:
             _over_head_dim(builder, dims, multiply)
-        order = _score_order(rows, tokens) if not halves else list(range(rows * vectors))
-        total, lane_at = _lane_sums(builder, [builder.load(sums[i]) for i in order], halves=halves)
-        if halves:  # vector v's halves are scores 2v and 2v + 1 (= r * tokens + t)
-            lane_of = lane_at
+        if fma and ACCUMULATORS < 16 and not halves:  # at most 4 sums (:func:`_keys_per_pass`)
+            total = _four_sums(builder, [builder.load(s) for s in sums])
+            lane_of = {i: i for i in range(len(sums))}
         else:
-            lane_of = {order[position]: lane for position, lane in lane_at.items()}
+            order = _score_order(rows, tokens) if not halves else list(range(rows * vectors))
+            total, lane_at = _lane_sums(builder, [builder.load(sums[i]) for i in order], halves=halves)
+            if halves:  # vector v's halves are scores 2v and 2v + 1 (= r * tokens + t)
+                lane_of = lane_at
+            else:
+                lane_of = {order[position]: lane for position, lane in lane_at.items()}
         total = builder.fmul(total, _splat(builder, factor))
         row_type = ir.VectorType(_F32, tokens)
         for r in range(rows):  # one store per row (one shuffle, or none for a 4 x 4 tile)
@@ -446,7 +492,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
     tile.__doc__ = (f"Scores of ``rows`` (1-4) query rows against {tokens} consecutive key rows "
                     f"({storage} keys, head_dim a multiple of 16), times "
                     "scale: out + r * out_stride holds row r's. The same rows of the blocks at "
-                    "pf_base and again_base are prefetched (0: none).")
+                    "pf_base and again_base are prefetched (0: none, the tile's own rows again).")
     return tile
 
 
@@ -518,11 +564,11 @@ def _make_pv_tile(*, storage=PAIRED):
     value rows (widened as they are loaded) and float32 probabilities by FMAs; with bfloat16 rows
     and PAIR_ORDER the accumulator rows are in pair order (:func:`pair_dim`)."""
     def emit(builder, rows, *args):
-        if storage != PAIRED:
-            _values_f32(builder, rows, *args[:8], args[8:], storage=storage)
-            return
         acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
-        pf = args[8:]
+        pf = _or_current(builder, args[8:], v_first)
+        if storage != PAIRED:
+            _values_f32(builder, rows, *args[:8], pf, storage=storage)
+            return
         sums = _zero_accumulators(builder, 2 * rows)
         num_pairs = builder.lshr(n, ir.Constant(_I64, 1))
 
@@ -600,7 +646,8 @@ def _make_pv_tile(*, storage=PAIRED):
                        "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators (each "
                        "row's dimensions in the order of value_dim), probabilities packed as "
                        "bfloat16 pairs.")
-                    + " The same rows of the blocks at pf_base and again_base are prefetched (0: none).")
+                    + " The same rows of the blocks at pf_base and again_base are prefetched (0: none, "
+                    "the tile's own rows again).")
     return tile
 
 

@@ -318,9 +318,10 @@ def test_every_merge_adds_two_lanes_of_one_block(block):
 def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumulators, storage,
                                                              pair_order):
     """The FMA tiles take their shape from ACCUMULATORS when they compile: with 16 a 4 x 4 score
-    tile and 4-chunk value passes, with 4 two key rows per accumulator (8 dimensions each) and
-    fewer chunks per pass; bfloat16 rows in pair order or not (PAIR_ORDER). Every combination
-    must compute the same scores and sums, whatever the CPU."""
+    tile and 4-chunk value passes, with 4 two key rows per accumulator (8 dimensions each; a
+    one-row tile one key each, summed by _four_sums) and fewer chunks per pass; bfloat16 rows in
+    pair order or not (PAIR_ORDER). Every combination must compute the same scores and sums,
+    whatever the CPU."""
     monkeypatch.setattr(bf16, "ACCUMULATORS", accumulators)
     monkeypatch.setattr(bf16, "PAIR_ORDER", pair_order)
     rng = np.random.default_rng(accumulators)
