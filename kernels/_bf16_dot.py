@@ -233,9 +233,9 @@ def _or_current(builder, blocks, current):
     being read: its rows are loaded anyway, so the loops prefetch without a branch.
 
     Two tests and branches per prefetch had put ~17 of the ~50 instructions in a 4-row value
-    tile's loop (per two tokens) and stood in the way of the multiply-adds: without them S1/G8
-    decode from L2 ran in 0.86-0.92x the time, G7/G8 from memory 0.88-0.96x (float32 and
-    bfloat16; S1/S2 from memory alike, 0.99-1.02), AMD EPYC Zen 3, processes alternating. Asking
+    tile's loop (per two tokens) and stood in the way of the multiply-adds: without them S1, G7
+    and G8 decode from L2 ran in 0.82-0.93x the time, G7/G8 from memory 0.88-0.97x (float32 and
+    bfloat16; S1/S2 from memory alike, 0.97-1.04x), AMD EPYC Zen 3, processes alternating. Asking
     for each line once per 32-byte chunk instead of once per 64 bytes (no line test at all)
     gained nothing more (1.00-1.02)."""
     zero = ir.Constant(current.type, 0)
