@@ -242,7 +242,7 @@ def _or_current(builder, blocks, current):
     return [builder.select(builder.icmp_unsigned("!=", block, zero), block, current) for block in blocks]
 
 
-def _prefetch_if(builder, blocks, offset):
+def _prefetch_each(builder, blocks, offset):
     """Prefetch block + offset for each of the two block addresses (far ahead into L2, and again
     nearer into L1: kernels/prefetch.py)."""
     for near, block in enumerate(blocks):
@@ -250,16 +250,16 @@ def _prefetch_if(builder, blocks, offset):
 
 
 def _prefetch_line(builder, blocks, offset, row_offset, chunk_bytes):
-    """:func:`_prefetch_if` once per 64 bytes of a row read in chunks of ``chunk_bytes``: for
+    """:func:`_prefetch_each` once per 64 bytes of a row read in chunks of ``chunk_bytes``: for
     chunks under 64 bytes, only where the chunk starts at a multiple of 64 bytes into its row
     (``row_offset``), not 2-4 times per line."""
     if chunk_bytes >= 64:
-        _prefetch_if(builder, blocks, offset)
+        _prefetch_each(builder, blocks, offset)
         return
     line_start = builder.icmp_unsigned("==", builder.and_(row_offset, ir.Constant(_I64, 63)),
                                        ir.Constant(_I64, 0))
     with builder.if_then(line_start):
-        _prefetch_if(builder, blocks, offset)
+        _prefetch_each(builder, blocks, offset)
 
 
 def _load_f16(builder, address, lanes=LANES):
@@ -600,13 +600,13 @@ def _make_pv_tile(*, storage=PAIRED):
                 row0 = builder.add(builder.mul(v_step, token), offset)
                 row1 = builder.add(row0, v_step)
                 for row in (row0, row1):
-                    _prefetch_if(builder, pf, row)
+                    _prefetch_each(builder, pf, row)
                 accumulate(_interleave(builder, load_row(row0, width), load_row(row1, width), width),
                            loop.index)
             odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
             with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
                 row0 = builder.add(builder.mul(v_step, builder.sub(n, ir.Constant(_I64, 1))), offset)
-                _prefetch_if(builder, pf, row0)
+                _prefetch_each(builder, pf, row0)
                 zeros = ir.Constant(ir.VectorType(_I16, width), [0] * width)
                 accumulate(_interleave(builder, load_row(row0, width), zeros, width), num_pairs)
             for r in range(rows):
@@ -693,7 +693,7 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
                 if row is None:  # the odd last token alone: its partner row may be stale bytes
                     rows.append(ir.Constant(ir.VectorType(_I16, width), [0] * width))
                     continue
-                _prefetch_if(builder, pf, builder.add(row, offset))
+                _prefetch_each(builder, pf, builder.add(row, offset))
                 rows.append(_load(builder, builder.add(v_first, builder.add(row, offset)),
                                   ir.VectorType(_I16, width)))
             for h, pairs in enumerate(_interleave(builder, rows[0], rows[1], width)):
