@@ -459,7 +459,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
                          builder.mul(loop.index, ir.Constant(_I64, width * key_bytes)))
         else:
             _over_head_dim(builder, dims, multiply)
-        if fma and ACCUMULATORS < 16 and not halves:  # at most 4 sums (:func:`_keys_per_pass`)
+        if fma and ACCUMULATORS < 16 and not halves and len(sums) <= 4:  # all AVX2 passes without halves
             total = _four_sums(builder, [builder.load(s) for s in sums])
             lane_of = {i: i for i in range(len(sums))}
         else:
