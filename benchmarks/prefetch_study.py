@@ -1,15 +1,19 @@
 """Software prefetch in the decode and prefill kernels at page sizes 16, 32 and 128, both dtypes;
 and what jumping between pages costs the memory system by itself.
 
-    python benchmarks/prefetch_study.py [--rounds 30]
+    python benchmarks/prefetch_study.py [--rounds 30] [--page-sizes 16 32 128] [--decode-only]
 
 For each page size and KV dtype (decode: shapes S1 and S3 of attention_cases.py; prefill: S1's
 caches with each sequence's last 128 tokens as queries) runs alternate in interleaved rounds, so
 the machine's drift hits all alike: the streaming-read roof, contiguous pages, random page order
 (both with the default prefetch), random page order with ``prefetch=False``, and for decode the
 same step with every logical page mapped onto 512 KiB of physical pages ("from cache": the same
-arithmetic with no memory traffic, the ceiling the loops set whatever the memory). The table gives
-GB/s as shares of the roof and median times as ratios to contiguous.
+arithmetic with no memory traffic, the ceiling the loops set whatever the memory) and a plain sum
+of the same pages in the kernel's visit order with its prefetch stream, on the random pages and on
+consecutive ones ("visit order, sum only": the memory traffic with no arithmetic, and what random
+page order costs that traffic by itself). The table gives GB/s as shares of the roof and median
+times as ratios to contiguous; the last column, the speed decode's multiply-adds alone would allow
+at the machine's FMA peak (fma_peak.py, measured once at the start) as a share of the roof.
 The second table reads 512 MiB in chunks of 8 KiB to 512 KiB, in order and in random order, with the
 same visit-order sum and no prefetch: the floor of what random page order costs without it.
 """
@@ -21,6 +25,7 @@ import numba
 import numpy as np
 
 from attention_cases import pagekv_decode, pagekv_prefill, problem, streaming_read
+from fma_peak import fma_peak
 from pagekv.attention import PREFETCH_AGAIN_FRACTION, PREFETCH_BYTES, plan_decode
 from pagekv.kernels.attention import CHUNK_TOKENS
 from pagekv.kernels.bandwidth import LANES
@@ -70,22 +75,24 @@ def visit_sum(k_pages, v_pages, visits, slot_indptr, ahead_bytes, again_bytes=0)
     return partial.sum()
 
 
-def visit_order_sum(p):
+def visit_order_sum(p, *, contiguous=False):
     """:func:`visit_sum` over p's pages in the order the decode kernel reads them (per thread slot
     its items, per item its chunks of CHUNK_TOKENS, per chunk the K pages then the V pages), with
-    the decode tiles' two prefetch distances."""
+    the decode tiles' two prefetch distances; on p's consecutive pages if ``contiguous``."""
     page_size = p.k_cache.shape[2]
+    table = p.contiguous_table if contiguous else p.block_table
+    k_pages, v_pages = (p.k_contiguous, p.v_contiguous) if contiguous else (p.k_cache, p.v_cache)
     plan = plan_decode(p.seq_lens, page_size=page_size)
     chunk = max(1, CHUNK_TOKENS // page_size)
     visits, indptr = [], [0]
     for slot in range(len(plan.slot_indptr) - 1):
         for seq, begin, end, _ in plan.items[plan.slot_indptr[slot]:plan.slot_indptr[slot + 1]]:
             for first in range(begin, end, chunk):
-                pages = p.block_table[seq, first:min(first + chunk, end)]
+                pages = table[seq, first:min(first + chunk, end)]
                 visits += [(0, page) for page in pages] + [(1, page) for page in pages]
         indptr.append(len(visits))
     visits, indptr = np.array(visits, np.int64), np.array(indptr, np.int64)
-    k, v = p.k_cache.view(np.float32), p.v_cache.view(np.float32)
+    k, v = k_pages.view(np.float32), v_pages.view(np.float32)
     again = PREFETCH_BYTES // PREFETCH_AGAIN_FRACTION
     return lambda: visit_sum(k, v, visits, indptr, PREFETCH_BYTES, again)
 
@@ -95,7 +102,8 @@ def study(shape, kind, page_size, rounds, roof, *, op="decode"):
     variants = ({"contiguous": pagekv_decode(p, contiguous=True), "paged": pagekv_decode(p),
                  "paged, no prefetch": pagekv_decode(p, prefetch=False),
                  "from cache": pagekv_decode(p, resident_pages=RESIDENT_BYTES // p.k_cache[0].nbytes),
-                 "visit order, sum only": visit_order_sum(p)}
+                 "visit order, sum only": visit_order_sum(p),
+                 "visit order on consecutive pages, sum only": visit_order_sum(p, contiguous=True)}
                 if op == "decode" else prefill_variants(p))
     variants["roof"] = roof
     times = {name: [] for name in variants}
@@ -107,7 +115,13 @@ def study(shape, kind, page_size, rounds, roof, *, op="decode"):
             run()
             times[name].append(time.perf_counter() - start)
     median = {name: float(np.median(t)) for name, t in times.items()}
-    return median, p.kv_bytes
+    return median, p.kv_bytes, decode_fmas(p)
+
+
+def decode_fmas(p):
+    """float32 multiply-adds of one decode step: each query head's scores and weighted values,
+    one per element of each K and V row it reads."""
+    return 2 * p.q.shape[1] * p.q.shape[2] * int(p.seq_lens.sum())
 
 
 def memory_floor(rounds):
@@ -127,35 +141,48 @@ def memory_floor(rounds):
                 visit_sum(data, data, chunks, slots, 0)
                 times[name].append(time.perf_counter() - start)
         a, b = np.median(times["in order"]), np.median(times["random"])
-        print(f"| {kib} KiB | {data.nbytes / a / 1e9:.1f} | {data.nbytes / b / 1e9:.1f} | {b / a:.2f} |", flush=True)
+        print(f"| {kib} KiB | {data.nbytes / a / 1e9:.1f} | {data.nbytes / b / 1e9:.1f} | {b / a:.2f} |",
+              flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=PAGE_SIZES, metavar="N",
+                        help="page sizes to study (default: %(default)s)")
+    parser.add_argument("--decode-only", action="store_true", help="skip prefill and the memory floor")
     args = parser.parse_args()
     roof, roof_bytes = streaming_read()
+    peak = fma_peak()
+    print(f"FMA peak: {peak / 1e9:.0f} GFMA/s float32 on {numba.get_num_threads()} threads\n")
     print("| op | shape | KV | page | roof GB/s | paged GB/s | % of roof | paged ÷ contiguous | "
-          "paged, no prefetch ÷ contiguous | from cache, % of roof | visit order, sum only, % of roof |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for op, shapes in (("decode", ("S1", "S3")), ("prefill", ("S1",))):
+          "paged, no prefetch ÷ contiguous | from cache, % of roof | visit order, sum only, % of roof | "
+          "visit order, sum only, paged ÷ contiguous | decode's FMAs alone at peak, % of roof |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ops = (("decode", ("S1", "S3")),) + ((("prefill", ("S1",)),) if not args.decode_only else ())
+    for op, shapes in ops:
         for shape in shapes:
             for kind in ("float32", "bfloat16"):
-                for page_size in PAGE_SIZES:
+                for page_size in args.page_sizes:
                     # prefill is compute-bound and ~50x slower per call: fewer rounds
                     rounds = args.rounds if op == "decode" else max(3, args.rounds // 5)
-                    median, nbytes = study(shape, kind, page_size, rounds, roof, op=op)
+                    median, nbytes, fmas = study(shape, kind, page_size, rounds, roof, op=op)
                     base, paged = median["contiguous"], median["paged"]
                     roof_gbs = roof_bytes / median["roof"]
                     share = nbytes / paged / roof_gbs
                     cached, visits = (f"{100 * nbytes / median[name] / roof_gbs:.0f}%"
                                       if name in median else "—"
                                       for name in ("from cache", "visit order, sum only"))
+                    sums = "visit order, sum only", "visit order on consecutive pages, sum only"
+                    visit_paging = f"{median[sums[0]] / median[sums[1]]:.2f}" if sums[0] in median else "—"
+                    fma_share = f"{100 * nbytes / (fmas / peak) / roof_gbs:.0f}%" if op == "decode" else "—"
                     print(f"| {op} | {shape} | {kind} | {page_size} | {roof_gbs / 1e9:.1f} | "
                           f"{nbytes / paged / 1e9:.1f} | "
                           f"{100 * share:.0f}% | {paged / base:.2f} | "
-                          f"{median['paged, no prefetch'] / base:.2f} | {cached} | {visits} |", flush=True)
-    memory_floor(args.rounds)
+                          f"{median['paged, no prefetch'] / base:.2f} | {cached} | {visits} | "
+                          f"{visit_paging} | {fma_share} |", flush=True)
+    if not args.decode_only:
+        memory_floor(args.rounds)
 
 
 if __name__ == "__main__":

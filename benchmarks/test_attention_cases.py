@@ -10,6 +10,7 @@ from attention_cases import (KINDS, as_float32, numpy_gather_decode, pagekv_deco
                              torch_sdpa_prefill)
 from pagekv import attention
 from pagekv.reference import attention as reference
+from fma_peak import CHAINS, _on_every_thread
 from prefetch_study import visit_order_sum
 
 
@@ -77,12 +78,24 @@ def test_streaming_read_sums_every_element():
     assert run() == num_bytes // 4
 
 
-def test_visit_order_sum_reads_every_page_once():
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_visit_order_sum_reads_every_page_once(contiguous):
     p = problem("tiny", "float32")  # every physical page belongs to some sequence
     rng = np.random.default_rng(2)
-    p.k_cache[...] = rng.integers(0, 8, p.k_cache.shape)  # small integers: float32 sums are exact
-    p.v_cache[...] = rng.integers(0, 8, p.v_cache.shape) * 16
+    k, v = (p.k_contiguous, p.v_contiguous) if contiguous else (p.k_cache, p.v_cache)
+    k[...] = rng.integers(0, 8, k.shape)  # small integers: float32 sums are exact
+    v[...] = rng.integers(0, 8, v.shape) * 16
     try:
-        assert visit_order_sum(p)() == p.k_cache.sum(dtype=np.float64) + p.v_cache.sum(dtype=np.float64)
+        expected = k.sum(dtype=np.float64) + v.sum(dtype=np.float64)
+        assert visit_order_sum(p, contiguous=contiguous)() == expected
     finally:
         problem.cache_clear()  # the pages were overwritten
+
+
+def test_fma_chains_do_their_multiply_adds():
+    rounds = 1000
+    scale, step = np.float32(0.999999), np.float32(1e-7)
+    chains = np.arange(CHAINS, dtype=np.float32)
+    for _ in range(rounds):  # a fused multiply-add: the float32 product is exact in float64
+        chains = (chains.astype(np.float64) * scale + step).astype(np.float32)
+    assert _on_every_thread(rounds, 1) == pytest.approx(float(chains.sum(dtype=np.float64)), rel=1e-6)
