@@ -392,11 +392,27 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
         key_bytes = 4 if storage == "float32" else 2
 
         def key_row(t, key_offset, chunk_bytes):
-            """The address of key row t's chunk at key_offset; the same line of the blocks ahead
-            is prefetched (:func:`_prefetch_line`)."""
+            """The address of key row t's chunk at key_offset; when a step reads less than whole
+            lines of the pass's rows, the same line of the blocks ahead is prefetched
+            (:func:`_prefetch_line`; else :func:`prefetch_share`)."""
             row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), key_offset)
-            _prefetch_line(builder, pf, row, key_offset, chunk_bytes)
+            if (tokens * chunk_bytes) % CACHE_LINE:
+                _prefetch_line(builder, pf, row, key_offset, chunk_bytes)
             return builder.add(k_first, row)
+
+        def prefetch_share(key_offset, chunk_bytes):
+            """This step's share of the pass's rows in the blocks ahead, in memory order: the
+            step at key_offset of each row prefetches bytes key_offset * tokens onwards (whole
+            lines; the rows are consecutive). Each row's own line instead made the pass's 2-4
+            rows interleaved streams 256 bytes apart (head_dim 128, bfloat16). AMD EPYC Zen 3,
+            processes alternating, from memory: MHA with 8 heads x 128 (16 x 2,048 tokens)
+            0.78-0.88x the time, G8 0.88-0.96x, S1/S2/S3 0.90-1.06x; from L2 0.95-1.03x."""
+            share = tokens * chunk_bytes
+            if share % CACHE_LINE:
+                return
+            linear = builder.mul(key_offset, ir.Constant(_I64, tokens))
+            for line in range(0, share, CACHE_LINE):
+                _prefetch_each(builder, pf, builder.add(linear, ir.Constant(_I64, line)))
 
         def multiply(offset, width, key_offset=None):
             """One chunk of every row: bytes ``offset`` into the query rows, ``key_offset`` (if
@@ -404,6 +420,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             key_offset = offset if key_offset is None else key_offset
             keys_of_chunk = []
             chunk_bytes = width * key_bytes if fma else 64
+            prefetch_share(key_offset, chunk_bytes)
             for j in range(vectors):
                 if halves:
                     pair = [_load_wide(builder, key_row(2 * j + h, key_offset, chunk_bytes), storage,
@@ -430,6 +447,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             """One PAIR_BLOCK of every row in pair order (bfloat16 keys): ``offset`` bytes into
             the query rows (float32, in pair order), half that into the key rows."""
             key_offset = builder.lshr(offset, ir.Constant(_I64, 1))
+            prefetch_share(key_offset, PAIR_BLOCK * 2)
             pieces = [_load_bf16_pairs(builder, key_row(j, key_offset, PAIR_BLOCK * 2))
                       for j in range(tokens)]  # (evens, odds) of each key row
             half = ir.VectorType(_F32, PAIR_BLOCK // 2)
