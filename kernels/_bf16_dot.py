@@ -749,8 +749,8 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
     (pass j of P the j-th P-th of it, a token pair's share at a time): prefetched in the columns
     the passes read, each 4 KiB block was asked for in 4 sweeps of 16 lines 256 bytes apart, and
     the memory served those streams slower. AMD EPYC Zen 3, processes alternating, from memory:
-    S1 0.78-0.86x the time (bfloat16, float32), S2 0.78-0.83x, G7 0.82-0.95x, G8 0.82-0.92x; S3
-    (one pass already) 1.00x."""
+    S1 0.79-0.86x the time (bfloat16), 0.78-0.95x (float32), S2 0.78-0.83x, G7 0.82-0.95x, G8
+    0.82-0.92x; S3 (one pass already) 1.00x; from L2 0.95-1.03x, prefill 0.96-0.99x."""
     half = storage != "float32"
     value_bytes = 2 if half else 4
     chunk_bytes = LANES * value_bytes
