@@ -8,9 +8,9 @@ import pytest
 from attention_cases import (KINDS, as_float32, numpy_gather_decode, pagekv_decode, pagekv_prefill,
                              prefill_flops, prefill_queries, problem, streaming_read, torch_sdpa_decode,
                              torch_sdpa_prefill)
+from fma_peak import CHAINS, _on_every_thread
 from pagekv import attention
 from pagekv.reference import attention as reference
-from fma_peak import CHAINS, _on_every_thread
 from prefetch_study import visit_order_sum
 
 

@@ -249,6 +249,13 @@ def _prefetch_each(builder, blocks, offset):
         emit_prefetch(builder, builder.add(block, offset), into_l1=bool(near))
 
 
+def _prefetch_lines(builder, blocks, offset, nbytes):
+    """:func:`_prefetch_each` of every line in offset .. offset + nbytes - 1 of the blocks (offset
+    on a line, nbytes a multiple of 64): a run of the blocks ahead in memory order."""
+    for line in range(0, nbytes, CACHE_LINE):
+        _prefetch_each(builder, blocks, builder.add(offset, ir.Constant(_I64, line)))
+
+
 def _prefetch_line(builder, blocks, offset, row_offset, chunk_bytes):
     """:func:`_prefetch_each` once per 64 bytes of a row read in chunks of ``chunk_bytes``: for
     chunks under 64 bytes, only where the chunk starts at a multiple of 64 bytes into its row
@@ -410,9 +417,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             share = tokens * chunk_bytes
             if share % CACHE_LINE:
                 return
-            linear = builder.mul(key_offset, ir.Constant(_I64, tokens))
-            for line in range(0, share, CACHE_LINE):
-                _prefetch_each(builder, pf, builder.add(linear, ir.Constant(_I64, line)))
+            _prefetch_lines(builder, pf, builder.mul(key_offset, ir.Constant(_I64, tokens)), share)
 
         def multiply(offset, width, key_offset=None):
             """One chunk of every row: bytes ``offset`` into the query rows, ``key_offset`` (if
@@ -774,8 +779,7 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
             the block ahead from where token t's part of it starts (whole lines)."""
             ahead = builder.and_(builder.add(share, builder.mul(t, ir.Constant(_I64, width))),
                                  ir.Constant(_I64, -CACHE_LINE))
-            for line in range(0, prefetch_bytes, CACHE_LINE):
-                _prefetch_each(builder, pf, builder.add(ahead, ir.Constant(_I64, line)))
+            _prefetch_lines(builder, pf, ahead, prefetch_bytes)
             row = builder.add(builder.mul(v_step, t), v_offset)
             values = []
             for c in range(chunks):
