@@ -256,13 +256,10 @@ def _prefetch_lines(builder, blocks, offset, nbytes):
         _prefetch_each(builder, blocks, builder.add(offset, ir.Constant(_I64, line)))
 
 
-def _prefetch_line(builder, blocks, offset, row_offset, chunk_bytes):
-    """:func:`_prefetch_each` once per 64 bytes of a row read in chunks of ``chunk_bytes``: for
-    chunks under 64 bytes, only where the chunk starts at a multiple of 64 bytes into its row
-    (``row_offset``), not 2-4 times per line."""
-    if chunk_bytes >= 64:
-        _prefetch_each(builder, blocks, offset)
-        return
+def _prefetch_line(builder, blocks, offset, row_offset):
+    """:func:`_prefetch_each` once per 64 bytes of a row read in chunks under 64 bytes: only where
+    the chunk starts at a multiple of 64 bytes into its row (``row_offset``), not 2-4 times per
+    line. (Chunks of 64 bytes or more make whole lines of every step's share: prefetch_share.)"""
     line_start = builder.icmp_unsigned("==", builder.and_(row_offset, ir.Constant(_I64, 63)),
                                        ir.Constant(_I64, 0))
     with builder.if_then(line_start):
@@ -404,7 +401,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             (:func:`_prefetch_line`; else :func:`prefetch_share`)."""
             row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), key_offset)
             if (tokens * chunk_bytes) % CACHE_LINE:
-                _prefetch_line(builder, pf, row, key_offset, chunk_bytes)
+                _prefetch_line(builder, pf, row, key_offset)
             return builder.add(k_first, row)
 
         def prefetch_share(key_offset, chunk_bytes):
