@@ -26,8 +26,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 settings.register_profile("default", deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
-# CI's second and third jobs (bounds-checked kernels; CPython 3.10 with numpy 1.x) look for index
-# errors and version breaks, not for new shapes: the main job's 100 examples found those, 30 here
-# keep the whole CI run well under its 25 minutes on a 2-core AVX2 machine (22.6 min with 100).
+# CI's second job (CPython 3.10 with numpy 1.x, kernels bounds-checked) looks for index errors and
+# version breaks, not for new shapes: the main job's 100 examples found those, 30 here keep the
+# whole CI run well under its 25 minutes on a 2-core AVX2 machine.
 settings.register_profile("secondary", parent=settings.get_profile("ci"), max_examples=30)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
