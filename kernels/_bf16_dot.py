@@ -395,12 +395,18 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
         dot = _fma if fma else _dot_pairs
         key_bytes = 4 if storage == "float32" else 2
 
+        def share_is_whole_lines(chunk_bytes):
+            """Whether a step's chunks of the pass's rows make whole lines: then the step
+            prefetches its share of them (:func:`prefetch_share`), else each row its own line
+            (:func:`key_row`) - one or the other, never both."""
+            return (tokens * chunk_bytes) % CACHE_LINE == 0
+
         def key_row(t, key_offset, chunk_bytes):
             """The address of key row t's chunk at key_offset; when a step reads less than whole
             lines of the pass's rows, the same line of the blocks ahead is prefetched
             (:func:`_prefetch_line`; else :func:`prefetch_share`)."""
             row = builder.add(builder.mul(k_step, ir.Constant(_I64, t)), key_offset)
-            if (tokens * chunk_bytes) % CACHE_LINE:
+            if not share_is_whole_lines(chunk_bytes):
                 _prefetch_line(builder, pf, row, key_offset)
             return builder.add(k_first, row)
 
@@ -411,10 +417,9 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             rows interleaved streams 256 bytes apart (head_dim 128, bfloat16). AMD EPYC Zen 3,
             processes alternating, from memory: MHA with 8 heads x 128 (16 x 2,048 tokens)
             0.78-0.88x the time, G8 0.88-0.96x, S1/S2/S3 0.90-1.06x; from L2 0.95-1.03x."""
-            share = tokens * chunk_bytes
-            if share % CACHE_LINE:
-                return
-            _prefetch_lines(builder, pf, builder.mul(key_offset, ir.Constant(_I64, tokens)), share)
+            if share_is_whole_lines(chunk_bytes):
+                _prefetch_lines(builder, pf, builder.mul(key_offset, ir.Constant(_I64, tokens)),
+                                tokens * chunk_bytes)
 
         def multiply(offset, width, key_offset=None):
             """One chunk of every row: bytes ``offset`` into the query rows, ``key_offset`` (if
