@@ -1,4 +1,5 @@
-"""A vectorisable float32 exp for the kernels' softmax.
+"""The kernels' float32 math: the fastmath flags they compile with, a vectorising max, and a
+vectorisable exp for the softmax.
 
 ``math.exp`` compiles to a call into libm per element, which LLVM cannot vectorise without a
 vector math library; in the decode kernel those calls took ~40% of the compute. This is Cephes'
@@ -6,12 +7,17 @@ vector math library; in the decode kernel those calls took ~40% of the compute. 
 the softmax loops vectorise. Accurate to about 1 ulp; exactly 0 below float32's range (and for -inf).
 """
 
+from typing import Any
+
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.extending import intrinsic
 
-_FM = {"reassoc", "contract", "nsz", "arcp"}
+# Not fastmath=True: that implies no-NaN/no-inf and would break -inf masking. These flags let LLVM
+# reorder sums (vectorised dot products) and fuse multiply-adds, and nothing more.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+JIT: dict[str, Any] = dict(cache=True, fastmath=FASTMATH, error_model="numpy", nogil=True)
 
 
 @intrinsic
@@ -41,7 +47,7 @@ def fmax(typingctx, x, y):
     return types.float32(types.float32, types.float32), codegen
 
 
-@njit(inline="always", fastmath=_FM, error_model="numpy")
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def fast_exp(x):
     """exp(x) for float32 x, branch-free."""
     clamped = min(max(x, np.float32(-87.33654)), np.float32(88.72283))

@@ -29,11 +29,12 @@ import numpy as np
 from numba import njit, prange
 
 from pagekv.kernels import _amx
-from pagekv.kernels import _bf16_dot as bf16
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
-from pagekv.kernels._math import fast_exp
-from pagekv.kernels.attention import (_JIT, CHUNK_TOKENS, QUERY_BLOCK, _finish_row, _prefill_ahead,
-                                      _thread_scratch, _softmax_update, _start_decode_item, _start_item)
+from pagekv.kernels._math import JIT, fast_exp
+from pagekv.kernels._tile_rows import pack_pairs, to_bf16
+from pagekv.kernels.attention import CHUNK_TOKENS, QUERY_BLOCK, _prefill_ahead
+from pagekv.kernels.online_softmax import (finish_row, softmax_update, start_decode_item,
+                                           start_prefill_item, thread_scratch)
 from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_rows
 
 ROWS, CHUNK, ROW_BYTES = _amx.ROWS, _amx.CHUNK, _amx.ROW_BYTES
@@ -71,7 +72,7 @@ def applies_to_decode(k_cache, kv_format, dot_products, group):
     return bool(applies(k_cache, kv_format, dot_products) and smallest <= group <= DECODE_GROUPS[1])
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _scale(scores, num_rows, num_cols, scale):
     """scores[:num_rows, :num_cols] *= scale: the tiles multiply unscaled bfloat16 queries, so a
     bfloat16 query stays exact (as in the ``vdpbf16ps`` tiles, which scale their sums)."""
@@ -80,29 +81,29 @@ def _scale(scores, num_rows, num_cols, scale):
             scores[r, t] *= scale
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _pair_rows(tokens):
     """Rows of token pairs that prefill's value tiles read for ``tokens`` tokens: whole products of
     16 pairs (:data:`PAIR_TOKENS` tokens); the callers zero the pairs past the tokens."""
     return -(-tokens // PAIR_TOKENS) * ROWS
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _pack_probs(scores, num_rows, num_cols, packed):
     """Prefill's probabilities as the A tiles of :func:`_amx.accumulate_pairs`: bfloat16 two tokens
-    to a word (:func:`bf16.pack_pairs`), 0 for the columns past num_cols up to the next multiple of
+    to a word (:func:`pack_pairs`), 0 for the columns past num_cols up to the next multiple of
     32.
 
     scores : float32 [rows, cols]; packed : uint32 [rows, pairs], pairs a multiple of 16.
     """
-    bf16.pack_pairs(scores, 0, num_rows, num_cols, packed)
+    pack_pairs(scores, 0, num_rows, num_cols, packed)
     padded = min(_pair_rows(num_cols), packed.shape[1])
     for r in range(num_rows):
         for j in range((num_cols + 1) // 2, padded):
             packed[r, j] = 0
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _interleave_values(v_cache, block_table, seq, head, first, last, seq_len, v_pairs):
     """The value rows of pages first .. last - 1 of a sequence's head in B's layout of
     :func:`_amx.accumulate_pairs`: v_pairs[k, d] holds dim d of the chunk's tokens 2k (low 16
@@ -129,7 +130,7 @@ def _interleave_values(v_cache, block_table, seq, head, first, last, seq_len, v_
             v_pairs[k, d] = 0
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _spread_pairs(scores, num_rows, group, num_cols, spread):
     """Decode's probabilities as the A tiles of :func:`_amx.accumulate_stacked`: per KV head and set
     of query rows of its group (:func:`_amx.value_sets`), two rows per query row, bfloat16 in the low half of
@@ -145,7 +146,7 @@ def _spread_pairs(scores, num_rows, group, num_cols, spread):
         head, g = q // group, q % group
         r = 2 * ((head * num_sets + g // set_rows) * set_rows + g % set_rows)
         for t in range(num_cols):
-            bits = np.uint32(bf16.to_bf16(scores[q, t]))
+            bits = np.uint32(to_bf16(scores[q, t]))
             spread[r, t] = bits
             spread[r + 1, t] = bits << np.uint32(16)
         for t in range(num_cols, padded):
@@ -153,10 +154,10 @@ def _spread_pairs(scores, num_rows, group, num_cols, spread):
             spread[r + 1, t] = 0
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _rescale_sums(m_before, m, group, sums):
     """Rescale the value sums of each query row whose running max rose from m_before to m, as
-    :func:`pagekv.kernels.attention._softmax_update` would rescale its acc row (the same factor).
+    :func:`pagekv.kernels.online_softmax.softmax_update` would rescale its acc row (the same factor).
 
     m_before, m : float32 [num_q_heads]; sums : as in :func:`decode` (float32 [num_kv_heads,
     chunks * num_sets, set_rows, 32]).
@@ -171,9 +172,9 @@ def _rescale_sums(m_before, m, group, sums):
                     sums[head, tile, g % set_rows, j] *= alpha
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _sums_to_acc(sums, group, acc):
-    """acc[q] = the value sums of query row q from the tiles' layout (as :func:`_finish_row` reads
+    """acc[q] = the value sums of query row q from the tiles' layout (as :func:`finish_row` reads
     them: a chunk's 16 even then 16 odd dims, :func:`_amx.acc_dim`).
 
     sums : float32 [num_kv_heads, chunks * num_sets, set_rows, 32], tile c * num_sets + s of a KV
@@ -188,7 +189,7 @@ def _sums_to_acc(sums, group, acc):
                 acc[q, c * CHUNK + j] = sums[head, c * num_sets + g // set_rows, g % set_rows, j]
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _zero_padded(v_cache, page, head, t0, n, tail):
     """tail[:n] = value rows t0 .. t0 + n - 1 of block (page, head), tail[n:] = 0: a page's rows
     past seq_len may hold anything, NaN included, and 0 x NaN would spoil the sums."""
@@ -197,13 +198,13 @@ def _zero_padded(v_cache, page, head, t0, n, tail):
             tail[i, d] = v_cache[page, head, t0 + i, d] if i < n else 0
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _rows_at(block, offset):
     """The address ``offset`` bytes into the block at address ``block``; 0 (none) if it is 0."""
     return block + offset if block != 0 else 0
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step):
     """Address and row step of the 16 value rows from token t0 of a page's block at address
     ``values`` (num_tokens of its rows valid): the block's own, or where fewer than 16 are left,
@@ -213,7 +214,7 @@ def _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step):
     return values + t0 * row_bytes, row_bytes
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **JIT)
 def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_indptr, scale, window,
             soft_cap, alibi_slopes, out, lse, prefetch_blocks):
     """:func:`pagekv.kernels.attention.prefill` for bfloat16 pages by AMX tiles (same arguments,
@@ -226,7 +227,7 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
     cols = chunk_pages * page_size
     row_bytes = k_cache.strides[2]
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores = _thread_scratch(padded_rows, cols, head_dim)
+        qs, acc, m, l, qpos, scores = thread_scratch(padded_rows, cols, head_dim)
         q_bits = np.zeros((padded_rows, head_dim), np.uint16)
         pairs = _pair_rows(cols)
         packed = np.zeros((padded_rows, pairs), np.uint32)
@@ -240,7 +241,7 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, head, row_begin, row_end = items[item]
             seq_len = seq_lens[seq]
-            num_rows, low, high, page_begin, page_end = _start_item(
+            num_rows, low, high, page_begin, page_end = start_prefill_item(
                 q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window, scale,
                 True, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
             groups = -(-num_rows // ROWS)
@@ -268,8 +269,8 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                                              0, 0)
                 _scale(scores, num_rows, num_cols, scale)
                 masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
-                _softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
-                                slopes, m, l, acc)
+                softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
+                               slopes, m, l, acc)
                 _pack_probs(scores, num_rows, num_cols, packed)
                 for p in range(first, last):
                     prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
@@ -289,12 +290,12 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g
-                    lse[row_begin + i, head * group + g] = _finish_row(
+                    lse[row_begin + i, head * group + g] = finish_row(
                         acc[r], m[r], l[r], out[row_begin + i, head * group + g], False)
         _amx.release()
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _queries_by_pairs(q_bits, group, q_t):
     """The queries in the B layout of decode's score tiles: q_t[h, c, k, g] holds dims 32c + 2k
     and 32c + 2k + 1 (low, high 16 bits) of query row h * group + g.
@@ -311,7 +312,7 @@ def _queries_by_pairs(q_bits, group, q_t):
                     q_t[h, c, k, g] = np.uint32(low) | (np.uint32(high) << np.uint32(16))
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _visits(k_cache, v_cache, block_table, seq, first, last, page_end, chunk_pages, out):
     """The addresses of the blocks :func:`decode` reads from the start of the chunk of pages first
     .. last - 1, in its order: the chunk's K blocks head by head (each head's pages in turn), its V
@@ -334,7 +335,7 @@ def _visits(k_cache, v_cache, block_table, seq, first, last, page_end, chunk_pag
     return n
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _ahead(visits, num_visits, i, distances):
     """The addresses to prefetch at visit i, distances[0] and distances[1] visits ahead (0: none)."""
     far, near = i + distances[0], i + distances[1]
@@ -342,7 +343,7 @@ def _ahead(visits, num_visits, i, distances):
             visits[near] if distances[1] > 0 and near < num_visits else 0)
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **JIT)
 def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale, window, soft_cap,
            alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks):
     """:func:`pagekv.kernels.attention.decode` for bfloat16 pages by AMX tiles (same arguments,
@@ -376,7 +377,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     share = -(-ROWS * row_bytes // (-(-chunks // pass_chunks) * quad)) * quad
     configs = _amx.decode_configs(group)
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores = _thread_scratch(padded_rows, cols, head_dim)
+        qs, acc, m, l, qpos, scores = thread_scratch(padded_rows, cols, head_dim)
         scores_by_key = np.empty((cols, padded_rows), np.float32)  # the score tiles' layout
         q_bits = np.empty((num_q_heads, head_dim), np.uint16)
         q_t = np.zeros((num_kv_heads, chunks, ROWS, ROWS), np.uint32)
@@ -385,7 +386,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
         # c * num_sets + s of a head holds chunk c of its set s (:func:`_sums_to_acc`).
         sums = np.empty((num_kv_heads, chunks * num_sets, set_rows, CHUNK), np.float32)
         m_before = np.empty(num_q_heads, np.float32)
-        no_acc = acc[:, :0]  # _softmax_update rescales no acc here: _rescale_sums does, on sums
+        no_acc = acc[:, :0]  # softmax_update rescales no acc here: _rescale_sums does, on sums
         tails = np.zeros((num_kv_heads, ROWS, head_dim), np.uint16)
         visits = np.empty(3 * chunk_pages * num_kv_heads, np.int64)
         p_step = spread.strides[0]
@@ -393,7 +394,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
         for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
             seq, page_begin, page_end, part = items[item]
             seq_len = seq_lens[seq]
-            _start_decode_item(q, seq, seq_len, scale, True, qs, q_bits, acc, m, l, qpos)
+            start_decode_item(q, seq, seq_len, scale, True, qs, q_bits, acc, m, l, qpos)
             _queries_by_pairs(q_bits, group, q_t)
             sums[:] = 0
             for first in range(page_begin, page_end, chunk_pages):
@@ -423,8 +424,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                 _scale(scores, num_q_heads, num_cols, scale)
                 masked = window > 0 and key0 <= seq_len - 1 - window
                 m_before[:] = m[:num_q_heads]
-                _softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
-                                soft_cap, alibi_slopes, m, l, no_acc)
+                softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window, soft_cap,
+                               alibi_slopes, m, l, no_acc)
                 _rescale_sums(m_before, m, group, sums)
                 _spread_pairs(scores, num_q_heads, group, num_cols, spread)
                 last_tokens = min(page_size, seq_len - (last - 1) * page_size)
@@ -458,7 +459,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
             _sums_to_acc(sums, group, acc)
             for h in range(num_q_heads):
                 if part < 0:
-                    lse[seq, h] = _finish_row(acc[h], m[h], l[h], out[seq, h], True, True)
+                    lse[seq, h] = finish_row(acc[h], m[h], l[h], out[seq, h], True, True)
                 else:
-                    part_lse[part, h] = _finish_row(acc[h], m[h], l[h], part_out[part, h], True, True)
+                    part_lse[part, h] = finish_row(acc[h], m[h], l[h], part_out[part, h], True, True)
         _amx.release()

@@ -17,7 +17,6 @@ import numpy as np
 
 from pagekv import _arrays
 from pagekv.errors import InvalidPageError
-from pagekv.kernels import _bf16_dot
 from pagekv.kernels import amx_attention as _amx_attention
 from pagekv.kernels import attention as _attention
 from pagekv.kernels import cache_ops as _cache_ops
@@ -26,6 +25,7 @@ from pagekv.kernels import plan as _plan
 from pagekv.kernels import slots as _slots
 from pagekv.kernels import threads as _threads
 from pagekv.kernels import validate as _validate
+from pagekv.kernels._tile_ir import HAS_AVX512_BF16
 
 __all__ = [
     "DecodePlan",
@@ -56,7 +56,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # loaded are exact and faster than emulated bfloat16 products (AMD EPYC Zen 3, AVX2: with the
 # tiles sized to its registers, S1 bfloat16 decode 42% -> 58% of the roof; README). The tests set
 # it to run the bfloat16 tiles' portable form on any CPU.
-BF16_PRODUCTS = _bf16_dot.HAS_AVX512_BF16
+BF16_PRODUCTS = HAS_AVX512_BF16
 
 
 # ----------------------------------------------------------------------------------- conversions

@@ -114,7 +114,7 @@ def test_prefill_matches_reference(problem, data):
 @pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 80), (17, 128), (64, 256)])
 def test_fma_decode_tiles_match_reference(page_size, head_dim, group, kind):
     """float32, float16 and (without bfloat16 products) bfloat16 pages take decode's FMA tiles
-    (kernels/attention.py): tiles of 1, 2, 3 or 4 query rows per KV head, and 4-row tiles plus a
+    (kernels/page_loops.py): tiles of 1, 2, 3 or 4 query rows per KV head, and 4-row tiles plus a
     1-, 2- or 3-row tile for the rest (groups 5-7); odd page sizes, pages ending mid-way, every
     head_dim chunk count, with the masking options."""
     rng = np.random.default_rng(page_size)

@@ -1,4 +1,4 @@
-"""The dot-product tiles (pagekv.kernels._bf16_dot) against float64 on exact inputs.
+"""The register tiles (pagekv.kernels._score_tiles, _value_tiles) against float64 on exact inputs.
 
 The tiles multiply bfloat16 numbers exactly and sum in float32, so on bfloat16 inputs they must
 match float64 to float32 summation error: any wrong lane, pair or row shows up as a large error.
@@ -14,20 +14,23 @@ from numba import njit
 
 from kv_builders import bf16_products, to_storage, widen
 from pagekv import attention
-from pagekv.kernels import _bf16_dot as bf16
+from pagekv.kernels import _tile_ir as tile_ir
+from pagekv.kernels._score_tiles import SCORE_TILES, _score_order
+from pagekv.kernels._tile_rows import pack_pairs, pair_dim, pair_position, value_dim
+from pagekv.kernels._value_tiles import VALUE_TILES
 
 ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops take
 
 
-PAIRED = bf16.PAIRED
-PREFIX = {PAIRED: "", "float32": "f32_", "float16": "f16_", "bfloat16": "bf16_"}  # each storage's tiles
+PAIRED = tile_ir.PAIRED
 
 
 def _scores_harness(tokens, storage):
     """A fresh (uncached) function that runs one query-key tile for keys of ``storage``: compiled
     on its first call, so it takes whatever code generation the tiles choose at that moment.
     16-bit keys are passed as their bits (uint16): the tile reads them through their address."""
-    tile = getattr(bf16, f"qk_{PREFIX[storage]}x{tokens}")
+    four_keys, one_key = SCORE_TILES[storage]
+    tile = four_keys if tokens == 4 else one_key
 
     @njit
     def run(q, k, scale, out, pf):
@@ -39,7 +42,7 @@ def _scores_harness(tokens, storage):
 def _values_harness(storage):
     """Runs one value tile for value rows of ``storage``, compiled on first call: float32
     probabilities, or packed pairs of them for bfloat16 rows."""
-    tile = getattr(bf16, f"pv_{PREFIX[storage]}".rstrip("_"))
+    tile = VALUE_TILES[storage]
 
     @njit
     def run(acc, v, probs, num_tokens, pf):
@@ -53,13 +56,13 @@ _scores, _values = functools.cache(_scores_harness), functools.cache(_values_har
 
 @njit
 def _pack(p, num_cols, packed):
-    bf16.pack_pairs(p, 0, p.shape[0], num_cols, packed)
+    pack_pairs(p, 0, p.shape[0], num_cols, packed)
 
 
 def _value_order(head_dim):
     """int64 [head_dim]: the dimension that each position of a bfloat16 value tile's
     accumulator row holds."""
-    return np.array([bf16.value_dim(j, head_dim) for j in range(head_dim)])
+    return np.array([value_dim(j, head_dim) for j in range(head_dim)])
 
 
 def _bf16(rng, shape):
@@ -98,8 +101,8 @@ def _tile_order(storage, head_dim):
     """int64 [head_dim]: the dimension each position of an FMA tile's query and accumulator rows
     holds: pair order for bfloat16 rows where PAIR_ORDER is on (as it is when the tile compiles),
     else the natural order."""
-    if storage == "bfloat16" and bf16.PAIR_ORDER:
-        return np.array([bf16.pair_dim(j) for j in range(head_dim)])
+    if storage == "bfloat16" and tile_ir.PAIR_ORDER:
+        return np.array([pair_dim(j) for j in range(head_dim)])
     return np.arange(head_dim)
 
 
@@ -162,11 +165,11 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
 
 @pytest.mark.parametrize("head_dim", [16, 48, 80, 128, 272])
 def test_pair_order_is_each_blocks_evens_then_odds(head_dim):
-    order = np.array([bf16.pair_dim(j) for j in range(head_dim)])
+    order = np.array([pair_dim(j) for j in range(head_dim)])
     evens_then_odds = np.array([0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15])
     for block in range(head_dim // 16):
         np.testing.assert_array_equal(order[16 * block:16 * block + 16], evens_then_odds + 16 * block)
-    positions = np.array([bf16.pair_position(d) for d in range(head_dim)])
+    positions = np.array([pair_position(d) for d in range(head_dim)])
     np.testing.assert_array_equal(order[positions], np.arange(head_dim))  # its inverse
 
 
@@ -208,7 +211,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     """Compiled for a CPU without AVX512-BF16, the tiles must give the same results, so a kernel
     behaves alike everywhere (subnormals aside). Skipped where the instruction is missing: then
     the portable code is all there is, and the other tests check it against float64."""
-    if not bf16.HAS_AVX512_BF16:
+    if not tile_ir.HAS_AVX512_BF16:
         pytest.skip("this CPU has no AVX512-BF16")
     rng = np.random.default_rng(5)
     q, k = _bf16(rng, (4, 128)), _bf16(rng, (4, 128))
@@ -218,7 +221,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     acc0 = rng.standard_normal((4, 128)).astype(np.float32)
     results = []
     for native in (True, False):
-        monkeypatch.setattr(bf16, "HAS_AVX512_BF16", native)
+        monkeypatch.setattr(tile_ir, "HAS_AVX512_BF16", native)
         scores, values = _scores_harness(4, PAIRED), _values_harness(PAIRED)  # compiled now
         out, acc = np.zeros((4, 4), np.float32), acc0.copy()
         scores(q, k, np.float32(0.125), out, 0)
@@ -279,14 +282,14 @@ def test_without_bf16_products_fast_bf16_is_the_float32_path():
 
 
 def _lane_sum_tree(count):
-    """The lanes where _lane_sums leaves the sums of ``count`` vectors, and the shuffle masks it
+    """The lanes where lane_sums leaves the sums of ``count`` vectors, and the shuffle masks it
     emits (built into a throwaway LLVM function)."""
     from llvmlite import ir
 
-    vector = ir.VectorType(ir.FloatType(), bf16.LANES)
+    vector = ir.VectorType(ir.FloatType(), tile_ir.LANES)
     function = ir.Function(ir.Module(), ir.FunctionType(ir.VoidType(), [vector] * count), "tree")
     builder = ir.IRBuilder(function.append_basic_block())
-    _, lane_of = bf16._lane_sums(builder, list(function.args))
+    _, lane_of = tile_ir.lane_sums(builder, list(function.args))
     masks = [i.operands[2] for i in function.blocks[0].instructions if i.opname == "shufflevector"]
     return lane_of, masks
 
@@ -297,7 +300,7 @@ def test_lane_sum_tree_leaves_each_input_where_its_docstring_says():
     lane_of, masks = _lane_sum_tree(16)
     assert lane_of == {p: 4 * (p % 4) + p // 4 for p in range(16)}
     assert len(masks) == 30  # 15 merges of two shuffles
-    order = bf16._score_order(4, 4)
+    order = _score_order(4, 4)
     for r in range(4):  # row r's scores, in token order, fill lanes 4r .. 4r + 3
         assert [lane_of[order.index(r * 4 + t)] for t in range(4)] == [4 * r + t for t in range(4)]
 
@@ -306,8 +309,8 @@ def test_lane_sum_tree_leaves_each_input_where_its_docstring_says():
 def test_every_merge_adds_two_lanes_of_one_block(block):
     """Each lane of a merge adds two lanes of the same block of x (or of y), and the merge keeps
     every lane of both: a mask that mixed blocks would add two different dot products."""
-    low, high = bf16._merge_masks(block)
-    assert sorted(low + high) == list(range(2 * bf16.LANES))
+    low, high = tile_ir._merge_masks(block)
+    assert sorted(low + high) == list(range(2 * tile_ir.LANES))
     for a, b in zip(low, high):
         assert a // block == b // block
 
@@ -319,11 +322,11 @@ def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumu
                                                              pair_order):
     """The FMA tiles take their shape from ACCUMULATORS when they compile: with 16 a 4 x 4 score
     tile and 4-chunk value passes, with 4 two key rows per accumulator (8 dimensions each; a
-    one-row tile one key each, summed by _four_sums) and fewer chunks per pass; bfloat16 rows in
+    one-row tile one key each, summed by four_sums) and fewer chunks per pass; bfloat16 rows in
     pair order or not (PAIR_ORDER). Every combination must compute the same scores and sums,
     whatever the CPU."""
-    monkeypatch.setattr(bf16, "ACCUMULATORS", accumulators)
-    monkeypatch.setattr(bf16, "PAIR_ORDER", pair_order)
+    monkeypatch.setattr(tile_ir, "ACCUMULATORS", accumulators)
+    monkeypatch.setattr(tile_ir, "PAIR_ORDER", pair_order)
     rng = np.random.default_rng(accumulators)
     runs = {tokens: _scores_harness(tokens, storage) for tokens in (4, 1)}  # compiled now
     values = _values_harness(storage)
@@ -335,8 +338,8 @@ def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumu
 
 
 @pytest.mark.parametrize("kind, page_size, head_dim, products, expected", [
-    ("bfloat16", 16, 128, True, bf16.PAIRED),
-    ("bfloat16", 2, 80, True, bf16.PAIRED),
+    ("bfloat16", 16, 128, True, PAIRED),
+    ("bfloat16", 2, 80, True, PAIRED),
     ("bfloat16", 17, 128, True, "bfloat16"),   # odd page size: no packed pairs
     ("bfloat16", 16, 72, True, "bfloat16"),    # head_dim not a multiple of 16 (Numba's loops)
     ("bfloat16", 16, 128, False, "bfloat16"),  # no bfloat16 products, or fast_bf16=False
@@ -346,7 +349,7 @@ def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumu
 def test_kernel_kind_takes_the_paired_tiles_only_where_they_apply(kind, page_size, head_dim,
                                                                   products, expected):
     from pagekv import _arrays
-    from pagekv.kernels.attention import _kernel_kind
+    from pagekv.kernels.page_loops import kernel_kind
 
     cache = np.zeros((1, 1, page_size, head_dim), np.float32 if kind == "float32" else np.uint16)
-    assert _kernel_kind(cache, _arrays.KV_FORMAT[kind], products) == expected
+    assert kernel_kind(cache, _arrays.KV_FORMAT[kind], products) == expected

@@ -1,0 +1,302 @@
+"""Value tiles: 1-4 accumulator rows += the probabilities of a page block's tokens x its value rows.
+
+``VALUE_TILES[storage]`` is one Numba intrinsic per storage (kernels/_tile_ir.py). The vdpbf16ps
+tile (``PAIRED``) takes two tokens per instruction: the rows of tokens t and t + 1 are interleaved
+so each bfloat16 pair is (v[t, d], v[t + 1, d]) (by in-lane unpacks, so an accumulator row holds
+the dimensions in the order kernels/_tile_rows.py's ``value_dim`` gives), and the probabilities
+arrive packed as (p[t], p[t + 1]) pairs. The FMA tiles take float32, float16 or bfloat16 value rows
+(widened as they are loaded) and float32 probabilities, and keep chunks of 16 floats of every
+row in registers across a page's tokens (Numba's loop loaded and stored the accumulators every 4
+tokens). While they read their value rows, the tiles prefetch two blocks ahead (kernels/prefetch.py).
+"""
+
+from llvmlite import ir  # type: ignore[import-untyped]
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# The register budget (ACCUMULATORS, PAIR_ORDER) is read from the module as each tile compiles,
+# so a test can compile the tiles for another CPU's budget.
+from pagekv.kernels import _tile_ir as tile_ir
+from pagekv.kernels._tile_ir import (
+    CACHE_LINE, F32, F32X16, I16, I32, I64, LANES, PAIRED, PAIRS,
+    ROW_REGISTERS, broadcast_pair, dot_pairs, join, load, load_bf16_pairs, load_wide, multiply_add,
+    or_current, over_head_dim, prefetch_each, prefetch_lines, rows_switch, splat, zero_accumulators)
+
+
+def _unpack_masks(width):
+    """vpunpcklwd and vpunpckhwd of rows v0, v1 of ``width`` (32 or 16) bfloat16 (indices into
+    v0 ++ v1): within each 128-bit lane L, the pairs (v0[d], v1[d]) of d = 8L .. 8L + 3 (low) and
+    of d = 8L + 4 .. 8L + 7 (high)."""
+    low, high = [], []
+    for lane in range(width // 8):
+        for i in range(4):
+            low += [8 * lane + i, width + 8 * lane + i]
+            high += [8 * lane + 4 + i, width + 8 * lane + 4 + i]
+    return low, high
+
+
+def _interleave(builder, v0, v1, width):
+    """Rows t and t + 1 (``width`` bfloat16 each) as width / 16 <32 x i16> vectors of pairs
+    (v0[d], v1[d]): one float32 lane per d under vdpbf16ps, in the order value_dim gives
+    (kernels/_tile_rows.py).
+
+    In-lane unpacks, one cheap instruction each, rather than a two-source permute (vpermt2w) into
+    the natural order of d: the 4-row value tile ran 1.14x faster so from cache (1.1-1.3x for 2-4
+    rows in a C microbenchmark), bfloat16 prefill at head_dim 128 1.04-1.06x. The accumulators
+    keep the unpacks' order of d, and the kernels put each output row back in order when they
+    write it."""
+    low, high = _unpack_masks(width)
+    mask = ir.VectorType(I32, width)
+    halves = [builder.shuffle_vector(v0, v1, ir.Constant(mask, m)) for m in (low, high)]
+    if width == PAIRS:
+        return halves
+    return [builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, PAIRS), list(range(PAIRS))))]
+
+
+def _make_pv_tile(*, storage=PAIRED):
+    """Value tiles of ``rows`` (1-4, the first argument) accumulator rows: bfloat16 value rows by
+    vdpbf16ps with packed probability pairs (``storage=PAIRED``), or float32, float16 or bfloat16
+    value rows (widened as they are loaded) and float32 probabilities by FMAs; with bfloat16 rows
+    and PAIR_ORDER the accumulator rows are in pair order (kernels/_tile_rows.py)."""
+    def emit(builder, rows, *args):
+        acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
+        pf = or_current(builder, args[8:], v_first)
+        if storage != PAIRED:
+            _values_f32(builder, rows, *args[:8], pf, storage=storage)
+            return
+        sums = zero_accumulators(builder, 2 * rows)
+        num_pairs = builder.lshr(n, ir.Constant(I64, 1))
+
+        def acc_pointer(r, half, offset):  # offset: bytes into a bfloat16 row
+            base = builder.add(acc_first, builder.mul(acc_step, ir.Constant(I64, r)))
+            address = builder.add(builder.add(base, builder.mul(offset, ir.Constant(I64, 2))),
+                                  ir.Constant(I64, half * LANES * 4))
+            return builder.inttoptr(address, F32X16.as_pointer())
+
+        def load_row(row, width):
+            return load(builder, builder.add(v_first, row), ir.VectorType(I16, width))
+
+        def accumulate(pair_vectors, pair):
+            for r in range(rows):
+                p_row = builder.add(builder.mul(p_step, ir.Constant(I64, r)),
+                                    builder.mul(pair, ir.Constant(I64, 4)))
+                probs = broadcast_pair(builder, builder.add(p_first, p_row))
+                for half, pairs in enumerate(pair_vectors):
+                    s = sums[2 * r + half]
+                    builder.store(dot_pairs(builder, builder.load(s), pairs, probs), s)
+
+        def values(offset, width):
+            halves = width // LANES
+            for r in range(rows):
+                for half in range(halves):
+                    builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
+            with cgutils.for_range(builder, num_pairs) as loop:
+                token = builder.mul(loop.index, ir.Constant(I64, 2))
+                row0 = builder.add(builder.mul(v_step, token), offset)
+                row1 = builder.add(row0, v_step)
+                for row in (row0, row1):
+                    prefetch_each(builder, pf, row)
+                accumulate(_interleave(builder, load_row(row0, width), load_row(row1, width), width),
+                           loop.index)
+            odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
+            with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
+                row0 = builder.add(builder.mul(v_step, builder.sub(n, ir.Constant(I64, 1))), offset)
+                prefetch_each(builder, pf, row0)
+                zeros = ir.Constant(ir.VectorType(I16, width), [0] * width)
+                accumulate(_interleave(builder, load_row(row0, width), zeros, width), num_pairs)
+            for r in range(rows):
+                for half in range(halves):
+                    builder.store(builder.load(sums[2 * r + half]), acc_pointer(r, half, offset), align=4)
+
+        if rows > 1:
+            over_head_dim(builder, dims, values)
+            return
+        # One row: walk the value rows in order (all of a row pair's chunks, then the next
+        # pair) with the whole accumulator row in registers: up to 16 vectors, head_dim <= 256,
+        # the chunk loop unrolled and guarded. Measured at S3 (MHA, page 16, three runs each):
+        # the in-order walk overlaps prefetched memory better, 76-79% -> 81-84% of the roof.
+        # For 2 rows (GQA) it measured alike, so 4-row tiles keep the chunk-outer walk.
+        in_order = builder.icmp_unsigned("<=", dims, ir.Constant(I64, ROW_REGISTERS * LANES))
+        with builder.if_else(in_order) as (short_rows, long_rows):
+            with short_rows:
+                _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf)
+            with long_rows:
+                over_head_dim(builder, dims, values)
+
+    @intrinsic
+    def tile(typingctx, rows, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
+             head_dim, pf_base, again_base):
+        signature = types.void(rows, acc_base, acc_stride, v_base, v_stride, p_base, p_stride,
+                               num_tokens, head_dim, pf_base, again_base)
+
+        def codegen(context, builder, sig, args):
+            rows_switch(builder, args[0], lambda n: emit(builder, n, *args[1:]))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
+                    + (f"{storage} value rows (head_dim a multiple of 16) and float32 probabilities, "
+                       "one per token." if storage != PAIRED else
+                       "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators (each "
+                       "row's dimensions in the order of value_dim), probabilities packed as "
+                       "bfloat16 pairs.")
+                    + " The same rows of the blocks at pf_base and again_base are prefetched (0: none, "
+                    "the tile's own rows again).")
+    return tile
+
+
+def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf):
+    """acc += p @ v for one accumulator row, value rows in memory order (all chunks of a row pair,
+    then the next pair), the accumulator row in ROW_REGISTERS registers (head_dim <= 256); pf:
+    the addresses of the blocks to prefetch."""
+    sums = zero_accumulators(builder, ROW_REGISTERS)  # allocas with constant indices: registers
+    full = builder.lshr(dims, ir.Constant(I64, 5))
+    tail = builder.icmp_unsigned("!=", builder.and_(dims, ir.Constant(I64, LANES)), ir.Constant(I64, 0))
+    acc = builder.inttoptr(acc_first, F32X16.as_pointer())
+
+    def each_chunk(body):
+        """body(chunk, width) for the row's chunks, unrolled: chunk c is 32 wide if c < full,
+        16 wide if c == full and head_dim % 32 == 16."""
+        for c in range(ROW_REGISTERS // 2):
+            is_full = builder.icmp_unsigned(">", full, ir.Constant(I64, c))
+            with builder.if_else(is_full) as (whole, rest):
+                with whole:
+                    body(c, PAIRS)
+                with rest:
+                    is_tail = builder.and_(tail, builder.icmp_unsigned("==", full, ir.Constant(I64, c)))
+                    with builder.if_then(is_tail):
+                        body(c, LANES)
+
+    def load_acc(c, width):
+        for h in range(width // LANES):
+            pointer = builder.gep(acc, [ir.Constant(I64, 2 * c + h)])
+            builder.store(builder.load(pointer, align=4), sums[2 * c + h])
+
+    def store_acc(c, width):
+        for h in range(width // LANES):
+            pointer = builder.gep(acc, [ir.Constant(I64, 2 * c + h)])
+            builder.store(builder.load(sums[2 * c + h]), pointer, align=4)
+
+    def pair_of_rows(pair, row0, row1):
+        probs = broadcast_pair(builder, builder.add(p_first, builder.mul(pair, ir.Constant(I64, 4))))
+
+        def chunk(c, width):
+            offset = ir.Constant(I64, c * PAIRS * 2)
+            rows = []
+            for row in (row0, row1):
+                if row is None:  # the odd last token alone: its partner row may be stale bytes
+                    rows.append(ir.Constant(ir.VectorType(I16, width), [0] * width))
+                    continue
+                prefetch_each(builder, pf, builder.add(row, offset))
+                rows.append(load(builder, builder.add(v_first, builder.add(row, offset)),
+                                  ir.VectorType(I16, width)))
+            for h, pairs in enumerate(_interleave(builder, rows[0], rows[1], width)):
+                s = sums[2 * c + h]
+                builder.store(dot_pairs(builder, builder.load(s), pairs, probs), s)
+
+        each_chunk(chunk)
+
+    each_chunk(load_acc)
+    with cgutils.for_range(builder, num_pairs) as loop:
+        row0 = builder.mul(v_step, builder.mul(loop.index, ir.Constant(I64, 2)))
+        pair_of_rows(loop.index, row0, builder.add(row0, v_step))
+    odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
+    with builder.if_then(odd):
+        pair_of_rows(num_pairs, builder.mul(v_step, builder.sub(n, ir.Constant(I64, 1))), None)
+    each_chunk(store_acc)
+
+
+F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
+
+
+def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims, pf,
+                *, storage):
+    """acc += p @ v for ``rows`` accumulator rows of float32: F32_CHUNKS chunks of 16 floats of
+    each row per pass (fewer where they would not fit in registers: ACCUMULATORS), held in
+    registers across all n value rows (then head_dim's last chunks); the probabilities are
+    float32, one per token (p_first + r * p_step: row r's); pf: the addresses of the blocks to
+    prefetch. The value rows are of ``storage`` (float32, float16 or bfloat16; the 16-bit ones
+    widened as they are loaded).
+
+    The passes read the block in columns (a 4-row bfloat16 tile at head_dim 128: 8 passes of 32
+    bytes of every row), but each pass prefetches its share of the block ahead in memory order
+    (pass j of P the j-th P-th of it, a token pair's share at a time): prefetched in the columns
+    the passes read, each 4 KiB block was asked for in 4 sweeps of 16 lines 256 bytes apart, and
+    the memory served those streams slower. AMD EPYC Zen 3, processes alternating, from memory:
+    S1 0.79-0.86x the time (bfloat16), 0.78-0.95x (float32), S2 0.78-0.83x, G7 0.82-0.95x, G8
+    0.82-0.92x; S3 (one pass already) 1.00x; from L2 0.95-1.03x, prefill 0.96-0.99x."""
+    half = storage != "float32"
+    value_bytes = 2 if half else 4
+    chunk_bytes = LANES * value_bytes
+    per_pass = max(1, min(F32_CHUNKS, tile_ir.ACCUMULATORS // rows))  # chunks of each row in registers
+    sums = zero_accumulators(builder, rows * per_pass)
+
+    def acc_pointer(r, offset):
+        address = builder.add(builder.add(acc_first, builder.mul(acc_step, ir.Constant(I64, r))), offset)
+        return builder.inttoptr(address, F32X16.as_pointer())
+
+    def chunks_at(offset, chunks):
+        """The pass over chunks from ``offset`` bytes into the accumulator rows."""
+        steps = [ir.Constant(I64, c * LANES * 4) for c in range(chunks)]
+        v_steps = [ir.Constant(I64, c * chunk_bytes) for c in range(chunks)]
+        v_offset = builder.lshr(offset, ir.Constant(I64, 1)) if half else offset
+        width = chunks * chunk_bytes  # bytes of a value row this pass reads
+        share = builder.mul(v_offset, n)  # where this pass's share of the block ahead starts
+
+        def token(t, prefetch_bytes):
+            """One value row's multiply-adds; before them, ``prefetch_bytes`` of the pass's share of
+            the block ahead from where token t's part of it starts (whole lines)."""
+            ahead = builder.and_(builder.add(share, builder.mul(t, ir.Constant(I64, width))),
+                                 ir.Constant(I64, -CACHE_LINE))
+            prefetch_lines(builder, pf, ahead, prefetch_bytes)
+            row = builder.add(builder.mul(v_step, t), v_offset)
+            values = []
+            for c in range(chunks):
+                address = builder.add(v_first, builder.add(row, v_steps[c]))
+                if storage == "bfloat16" and tile_ir.PAIR_ORDER:  # a chunk is one block: in pair order
+                    values.append(join(builder, *load_bf16_pairs(builder, address)))
+                else:
+                    values.append(load_wide(builder, address, storage))
+            for r in range(rows):
+                p_row = builder.add(builder.mul(p_step, ir.Constant(I64, r)),
+                                    builder.mul(t, ir.Constant(I64, 4)))
+                prob = splat(builder, builder.load(builder.inttoptr(builder.add(p_first, p_row),
+                                                                     F32.as_pointer())))
+                for c in range(chunks):
+                    s = sums[r * per_pass + c]
+                    builder.store(multiply_add(builder, builder.load(s), values[c], prob), s)
+
+        for r in range(rows):
+            for c in range(chunks):
+                pointer = acc_pointer(r, builder.add(offset, steps[c]))
+                builder.store(builder.load(pointer, align=4), sums[r * per_pass + c])
+        # Token pairs: a pair's 2 * width bytes are whole lines (width is a multiple of 32), so
+        # each line is asked for once with no test (a test per token cost 1.13x the time from L2).
+        pair_lines = -(-2 * width // CACHE_LINE) * CACHE_LINE
+        with cgutils.for_range(builder, builder.lshr(n, ir.Constant(I64, 1))) as loop:
+            first = builder.shl(loop.index, ir.Constant(I64, 1))
+            token(first, pair_lines)
+            token(builder.add(first, ir.Constant(I64, 1)), 0)
+        odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
+        with builder.if_then(odd):  # the last token alone
+            token(builder.sub(n, ir.Constant(I64, 1)), -(-width // CACHE_LINE) * CACHE_LINE)
+        for r in range(rows):
+            for c in range(chunks):
+                pointer = acc_pointer(r, builder.add(offset, steps[c]))
+                builder.store(builder.load(sums[r * per_pass + c]), pointer, align=4)
+
+    pass_bytes = ir.Constant(I64, per_pass * LANES * 4)
+    passes = builder.udiv(dims, ir.Constant(I64, per_pass * LANES))
+    with cgutils.for_range(builder, passes) as loop:
+        chunks_at(builder.mul(loop.index, pass_bytes), per_pass)
+    left = builder.udiv(builder.urem(dims, ir.Constant(I64, per_pass * LANES)), ir.Constant(I64, LANES))
+    for chunks in range(1, per_pass):  # head_dim 80, 96, 112, ...: the last 1-3 chunks
+        with builder.if_then(builder.icmp_unsigned("==", left, ir.Constant(I64, chunks))):
+            chunks_at(builder.mul(passes, pass_bytes), chunks)
+
+
+# Why each storage has its tiles: kernels/_score_tiles.py, SCORE_TILES.
+VALUE_TILES = {storage: _make_pv_tile(storage=storage)
+               for storage in (PAIRED, "float32", "float16", "bfloat16")}

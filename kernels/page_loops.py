@@ -1,0 +1,291 @@
+"""The loops over one page block that the attention kernels call per page: scores of a block's
+keys for a block of query rows, and the probabilities times its values into their accumulators.
+
+Two forms of each. The register tiles (kernels/_score_tiles.py, kernels/_value_tiles.py) serve
+head_dim a multiple of 16, in one of four *kinds* fixed when a kernel compiles: the FMA tiles of
+each storage (float32, float16, bfloat16) and the vdpbf16ps tiles (``PAIRED``) for bfloat16
+pages; :func:`kernel_kind` picks. Numba's plain loops (:func:`plain_page_scores`,
+:func:`plain_page_accumulate`) serve any head_dim. Both prefetch a block ahead as they read
+(kernels/prefetch.py).
+"""
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
+from pagekv.kernels._math import JIT
+from pagekv.kernels._score_tiles import SCORE_TILES
+from pagekv.kernels._tile_ir import LANES, MAX_ROWS, PAIRED
+from pagekv.kernels._value_tiles import VALUE_TILES
+from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
+
+
+@njit(**JIT)
+def plain_page_scores(qs, r0, num_rows, kc, kp, kh, kv_format, num_tokens, scores, col, ahead):
+    """scores[r0 + r, col + t] = qs[r0 + r] . kc[kp, kh, t] for the page's tokens.
+
+    Register blocking, so the loop is bound by multiply-adds rather than loads: four query rows
+    times two key rows share each load (8 accumulators; 1.27x the speed of four rows times one key,
+    from cache on S1); rows left over take four key rows at a time. While reading key rows t..,
+    the same rows of the block at address ``ahead`` are prefetched (0: none), once. (Asking again
+    nearer, as the tiles do, read 0.5-1.9% faster from memory here but cost 9-13% from cache.)
+    """
+    head_dim = qs.shape[1]
+    r = r0
+    while r + 4 <= r0 + num_rows:
+        pf = ahead if r == r0 else 0
+        t = 0
+        while t + 2 <= num_tokens:
+            _prefetch_rows(pf, kc.strides[2], t, 2)
+            s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
+            for d in range(head_dim):
+                k0 = load_f32(kc, kp, kh, t, d, kv_format)
+                k1 = load_f32(kc, kp, kh, t + 1, d, kv_format)
+                q0, q1, q2, q3 = qs[r, d], qs[r + 1, d], qs[r + 2, d], qs[r + 3, d]
+                s00 += q0 * k0
+                s01 += q0 * k1
+                s10 += q1 * k0
+                s11 += q1 * k1
+                s20 += q2 * k0
+                s21 += q2 * k1
+                s30 += q3 * k0
+                s31 += q3 * k1
+            scores[r, col + t], scores[r, col + t + 1] = s00, s01
+            scores[r + 1, col + t], scores[r + 1, col + t + 1] = s10, s11
+            scores[r + 2, col + t], scores[r + 2, col + t + 1] = s20, s21
+            scores[r + 3, col + t], scores[r + 3, col + t + 1] = s30, s31
+            t += 2
+        if t < num_tokens:  # an odd number of tokens: the last key row
+            _prefetch_rows(pf, kc.strides[2], t, 1)
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for d in range(head_dim):
+                k = load_f32(kc, kp, kh, t, d, kv_format)
+                s0 += qs[r, d] * k
+                s1 += qs[r + 1, d] * k
+                s2 += qs[r + 2, d] * k
+                s3 += qs[r + 3, d] * k
+            scores[r, col + t], scores[r + 1, col + t] = s0, s1
+            scores[r + 2, col + t], scores[r + 3, col + t] = s2, s3
+        r += 4
+    for r in range(r, r0 + num_rows):
+        pf = ahead if r == r0 else 0
+        t = 0
+        while t + 4 <= num_tokens:
+            _prefetch_rows(pf, kc.strides[2], t, 4)
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for d in range(head_dim):
+                q = qs[r, d]
+                s0 += q * load_f32(kc, kp, kh, t, d, kv_format)
+                s1 += q * load_f32(kc, kp, kh, t + 1, d, kv_format)
+                s2 += q * load_f32(kc, kp, kh, t + 2, d, kv_format)
+                s3 += q * load_f32(kc, kp, kh, t + 3, d, kv_format)
+            scores[r, col + t], scores[r, col + t + 1] = s0, s1
+            scores[r, col + t + 2], scores[r, col + t + 3] = s2, s3
+            t += 4
+        for t in range(t, num_tokens):
+            _prefetch_rows(pf, kc.strides[2], t, 1)
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += qs[r, d] * load_f32(kc, kp, kh, t, d, kv_format)
+            scores[r, col + t] = s
+
+
+@njit(**JIT)
+def plain_page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_tokens, acc, ahead):
+    """acc[r0 + r] += sum over t of scores[r0 + r, col + t] * vc[vp, vh, t].
+
+    Four value rows per pass over four accumulator rows at once: each value load feeds four
+    multiply-adds and each accumulator load and store sixteen (rows left over: four value rows per
+    pass over one accumulator row; the last num_tokens % 4 value rows: one at a time, every
+    accumulator row). Prefetches like :func:`plain_page_scores`.
+    """
+    head_dim = acc.shape[1]
+    r = r0
+    while r + 4 <= r0 + num_rows:
+        pf = ahead if r == r0 else 0
+        t = 0
+        while t + 4 <= num_tokens:
+            _prefetch_rows(pf, vc.strides[2], t, 4)
+            c = col + t
+            a0, a1, a2, a3 = scores[r, c], scores[r, c + 1], scores[r, c + 2], scores[r, c + 3]
+            b0, b1, b2, b3 = scores[r + 1, c], scores[r + 1, c + 1], scores[r + 1, c + 2], scores[r + 1, c + 3]
+            e0, e1, e2, e3 = scores[r + 2, c], scores[r + 2, c + 1], scores[r + 2, c + 2], scores[r + 2, c + 3]
+            f0, f1, f2, f3 = scores[r + 3, c], scores[r + 3, c + 1], scores[r + 3, c + 2], scores[r + 3, c + 3]
+            for d in range(head_dim):
+                v0 = load_f32(vc, vp, vh, t, d, kv_format)
+                v1 = load_f32(vc, vp, vh, t + 1, d, kv_format)
+                v2 = load_f32(vc, vp, vh, t + 2, d, kv_format)
+                v3 = load_f32(vc, vp, vh, t + 3, d, kv_format)
+                acc[r, d] += (a0 * v0 + a1 * v1) + (a2 * v2 + a3 * v3)
+                acc[r + 1, d] += (b0 * v0 + b1 * v1) + (b2 * v2 + b3 * v3)
+                acc[r + 2, d] += (e0 * v0 + e1 * v1) + (e2 * v2 + e3 * v3)
+                acc[r + 3, d] += (f0 * v0 + f1 * v1) + (f2 * v2 + f3 * v3)
+            t += 4
+        r += 4
+    for r in range(r, r0 + num_rows):
+        pf = ahead if r == r0 else 0
+        t = 0
+        while t + 4 <= num_tokens:
+            _prefetch_rows(pf, vc.strides[2], t, 4)
+            c = col + t
+            p0, p1, p2, p3 = scores[r, c], scores[r, c + 1], scores[r, c + 2], scores[r, c + 3]
+            for d in range(head_dim):
+                acc[r, d] += (p0 * load_f32(vc, vp, vh, t, d, kv_format)
+                              + p1 * load_f32(vc, vp, vh, t + 1, d, kv_format)) + \
+                    (p2 * load_f32(vc, vp, vh, t + 2, d, kv_format)
+                     + p3 * load_f32(vc, vp, vh, t + 3, d, kv_format))
+            t += 4
+    for t in range(num_tokens - num_tokens % 4, num_tokens):  # the last tokens, every row
+        _prefetch_rows(ahead, vc.strides[2], t, 1)
+        for r in range(r0, r0 + num_rows):
+            p = scores[r, col + t]
+            for d in range(head_dim):
+                acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
+
+
+def tiled_page_loops(kind, *, inline=True):
+    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32 or
+    float16 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
+
+    The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
+    ``inline`` False compiles the loops as functions of their own, called per page, not inlined
+    into the kernel.
+    """
+    jit = njit(inline="always" if inline else "never", **JIT)
+    (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
+    pairs = kind == PAIRED  # probabilities packed two tokens to a word
+
+    @jit
+    def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        """:func:`plain_page_scores` by register tiles (kernels/_score_tiles.py), head_dim a
+        multiple of 16: bfloat16 pages by vdpbf16ps, or float32 or float16 pages by FMAs
+        (``kind``).
+
+        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (bfloat16
+        pages), or float32 (the others); the scores are multiplied by ``scale``. Tiles of 4 query
+        rows x 4 key rows; the rows left over take one tile of 3, 2 or 1 rows, the page's last
+        num_tokens % 4 keys one key at a time.
+        Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none) are
+        prefetched by the first row tile.
+        """
+        head_dim = kc.shape[3]
+        k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
+        block = block_address(kc, kp, kh)
+        r = r0
+        while r < r0 + num_rows:
+            rows = min(MAX_ROWS, r0 + num_rows - r)
+            q_r = q.ctypes.data + r * q_row
+            out = scores.ctypes.data + r * s_row + col * 4
+            for t in range(0, num_tokens, 4):
+                pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
+                pf_again = again + t * k_row if (again != 0 and r == r0) else 0
+                k_t, out_t = block + t * k_row, out + t * 4
+                if t + 4 <= num_tokens:
+                    four_keys(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    continue
+                for u in range(t, num_tokens):
+                    pf_u = pf + (u - t) * k_row if pf != 0 else 0
+                    again_u = pf_again + (u - t) * k_row if pf_again != 0 else 0
+                    one_key(rows, q_r, q_row, block + u * k_row, k_row, head_dim, scale, out + u * 4,
+                            s_row, pf_u, again_u)
+            r += rows
+
+    @jit
+    def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        """:func:`plain_page_accumulate` by register tiles of 4 accumulator rows (3, 2 or 1 for
+        the rest; kernels/_value_tiles.py), head_dim a multiple of 16: bfloat16 pages by
+        vdpbf16ps, two tokens per instruction (col even), or float32 or float16 pages by FMAs
+        (``kind``).
+
+        probs : uint32 [rows, pairs], the probabilities packed by pack_pairs
+        (kernels/_tile_rows.py), or float32 [rows, cols], the probabilities themselves (the scores
+        array). The first row tile prefetches the blocks at addresses ``ahead`` and ``again``
+        (0: none).
+        """
+        head_dim = vc.shape[3]
+        block = block_address(vc, vp, vh)
+        a_row, p_row = acc.strides[0], probs.strides[0]
+        first_prob = (col // 2) * 4 if pairs else col * 4
+        r = r0
+        while r < r0 + num_rows:
+            rows = min(MAX_ROWS, r0 + num_rows - r)
+            pf, pf_again = (ahead, again) if r == r0 else (0, 0)
+            a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
+            values(rows, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
+            r += rows
+
+    return page_scores, page_accumulate
+
+
+# The kernel kinds: the FMA tiles of each storage (kernels/_dtypes.py), and the vdpbf16ps tiles.
+STORAGE = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16"}
+KINDS = (*STORAGE.values(), PAIRED)
+_TILED = {kind: tiled_page_loops(kind) for kind in KINDS}
+# Prefill's vdpbf16ps kernel calls its tile loops as functions: inlined into a kernel of its own
+# (kernels/attention.py, _prefill_kernel) they ran 5-13% slower (8/2x64, 32/8x128, 16/16x64, 12
+# process pairs), called they run as fast as they did inlined into the old kernel that held both
+# kinds (0.99-1.01), and compile 2 s faster. Decode keeps them inlined: called, it was 6-16%
+# slower from cache.
+_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False)})
+
+
+def kernel_kind(k_cache, kv_format, dot_products):
+    """The kind of kernel that serves these pages: the vdpbf16ps tiles (``PAIRED``) for
+    bfloat16 pages when ``dot_products`` allows and the shape takes them (head_dim a multiple of
+    16, an even page size, so every page starts on a packed probability pair); otherwise the
+    storage's own FMA tiles (Numba's loops where head_dim is not a multiple of 16)."""
+    if (dot_products and kv_format == FORMAT_BFLOAT16 and k_cache.shape[3] % LANES == 0
+            and k_cache.shape[2] % 2 == 0):
+        return PAIRED
+    return STORAGE[kv_format]
+
+def _by_storage(loops):
+    """Stand-ins for the tile loops ``loops[kind]`` (scores, values) that the kernels call with
+    their storage kind first (a compile-time constant): each becomes that kind's loop when a
+    kernel compiles.
+
+    Why not the loops themselves in each kernel's closure: Numba keys a cached closure on its
+    pickled cells, and a pickled dispatcher carries a random id drawn anew in every process, so
+    no process ever found the decode and prefill kernels in the on-disk cache: ``warmup()``
+    recompiled them every time (29-45 s, against 0.3 s with the cache; measured on the Intel VM).
+    The kind is named, not read from the cache's dtype: float16 and bfloat16 pages are both
+    uint16 inside the kernels.
+    """
+    def page_scores(kind, q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        raise NotImplementedError("called by the compiled kernels only")
+
+    def page_accumulate(kind, probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        raise NotImplementedError("called by the compiled kernels only")
+
+    @overload(page_scores, prefer_literal=True, inline="always")
+    def _scores(kind, q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        if not isinstance(kind, types.StringLiteral):
+            return None
+        loop = loops[kind.literal_value][0]
+
+        def impl(kind, q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+            loop(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again)
+        return impl
+
+    @overload(page_accumulate, prefer_literal=True, inline="always")
+    def _values(kind, probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        if not isinstance(kind, types.StringLiteral):
+            return None
+        loop = loops[kind.literal_value][1]
+
+        def impl(kind, probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+            loop(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again)
+        return impl
+
+    return page_scores, page_accumulate
+
+
+DECODE_SCORES, DECODE_VALUES = _by_storage(_TILED)
+PREFILL_SCORES, PREFILL_VALUES = _by_storage(_PREFILL_TILED)
+
+
+@njit(inline="always", **JIT)
+def takes_fma_tiles(k_cache):
+    """Whether a storage's FMA tiles apply: head_dim a multiple of 16."""
+    return k_cache.shape[3] % LANES == 0
