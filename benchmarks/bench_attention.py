@@ -9,6 +9,11 @@ the same reason every other decode case records its time over pagekv's in altern
 (``extra_info["time_over_pagekv"]``): two medians taken minutes apart had put paged ÷ contiguous
 at 1.41 and 1.65 where alternating rounds measure ~1.05.
 
+Random page order has a cost of its own in the memory system, whatever reads it: the paging floor
+cases time a plain sum of the pages in decode's visit order, with its prefetch stream, on the
+random pages and on consecutive ones (``extra_info["paged_over_consecutive"]``), so the kernel's
+paged ÷ contiguous time stands next to what the same reads cost without any arithmetic.
+
 Every timed decode run reads its pages from memory: the last-level cache is evicted before it
 (by one untimed pass of the roof's sum, 512 MiB). The Intel Xeon VM's 300 MiB L3 held S1's and
 S2's 128-256 MiB caches, so back-to-back runs had read part of them from L3 and some cells read
@@ -31,6 +36,7 @@ import pytest
 from attention_cases import (KINDS, PREFILL_TOKENS, numpy_gather_decode, pagekv_decode, pagekv_prefill,
                              prefill_flops, problem, streaming_read, torch_sdpa_decode, torch_sdpa_prefill)
 from paired import paired_times
+from visit_order import visit_order_sum
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 IMPLEMENTATIONS = {
@@ -112,6 +118,25 @@ def test_decode(benchmark, shape, kind, name):
     elif not benchmark.disabled:
         benchmark.extra_info["time_over_pagekv"] = time_over_pagekv(run, p)
     _time_decode(benchmark, run)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", ["S1", "S2", "S3"])
+def test_paging_floor(benchmark, shape, kind):
+    """What random page order costs the memory system by itself: a plain sum of the pages in the
+    decode kernel's visit order, with its prefetch stream (visit_order.py), on the random pages
+    over the same sum on consecutive pages, in PAIRED_ROUNDS alternating rounds. The decode
+    kernel's own paged ÷ contiguous time cannot go below it."""
+    p = problem(shape, kind)
+    paged, consecutive = visit_order_sum(p), visit_order_sum(p, contiguous=True)
+    paged(), consecutive()
+    benchmark.group = f"decode {shape} {kind}"
+    benchmark.extra_info.update(kind="paging floor", shape=shape, dtype=kind, kv_bytes=p.kv_bytes)
+    if not benchmark.disabled:
+        paged_seconds, consecutive_seconds = paired_times(paged, consecutive, PAIRED_ROUNDS,
+                                                          before_each=evict_llc)
+        benchmark.extra_info["paged_over_consecutive"] = float(np.median(paged_seconds / consecutive_seconds))
+    _time_decode(benchmark, paged)
 
 
 MORE_DECODE = [(shape, kind) for shape in ("G2", "G3", "G7", "G8") for kind in KINDS] + [

@@ -54,10 +54,13 @@ def attention_tables(benchmarks):
         return ""
     roof_gbs = roof[0]["extra_info"]["kv_bytes"] / roof[0]["stats"]["min"] / 1e9
     cases = defaultdict(dict)  # (shape, dtype) -> {impl: extra_info, with the median time}
+    floors = {}  # (shape, dtype) -> the memory's own paged ÷ consecutive time (bench_attention.py)
     for bench in benchmarks:
         info = bench["extra_info"]
         if info.get("kind") == "decode":
             cases[(info["shape"], info["dtype"])][info["impl"]] = dict(info, median=bench["stats"]["median"])
+        elif info.get("kind") == "paging floor" and "paged_over_consecutive" in info:
+            floors[(info["shape"], info["dtype"])] = info["paged_over_consecutive"]
     if not cases:
         return ""
     lines = [f"Streaming-read roof (same run, same threads): {roof_gbs:.1f} GB/s; \"% of roof\" pairs "
@@ -65,9 +68,9 @@ def attention_tables(benchmarks):
              "roof beside it); the ratio columns pair each implementation with pagekv the same way",
              "",
              "| shape | KV dtype | pagekv GB/s | % of roof | paired roof GB/s | paged ÷ contiguous time "
-             "| no prefetch ÷ prefetch "
+             "| same, memory alone | no prefetch ÷ prefetch "
              "| float32 products ÷ bfloat16 | × torch SDPA (dense) | × NumPy gather |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, dtype), impls in sorted(cases.items()):
         pagekv = impls["pagekv"]
         gbs = pagekv["kv_bytes"] / pagekv["median"] / 1e9
@@ -79,9 +82,10 @@ def attention_tables(benchmarks):
             value = impls[name]["time_over_pagekv"]
             return f"{1 / value if inverse else value:.2f}" + ("×" if speedup else "")
 
+        floor = f"{floors[(shape, dtype)]:.2f}" if (shape, dtype) in floors else "—"
         lines.append(f"| {shape} | {dtype} | {gbs:.1f} | {100 * pagekv['share_of_roof']:.0f}% "
                      f"| {pagekv['paired_roof_gbs']:.1f} "
-                     f"| {ratio('pagekv contiguous', speedup=False, inverse=True)} "
+                     f"| {ratio('pagekv contiguous', speedup=False, inverse=True)} | {floor} "
                      f"| {ratio('pagekv no prefetch', speedup=False)} | {ratio('pagekv float32 products')} "
                      f"| {ratio('torch sdpa (dense)')} | {ratio('numpy gather')} |")
     return "\n".join(lines)

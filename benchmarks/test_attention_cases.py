@@ -11,7 +11,7 @@ from attention_cases import (KINDS, as_float32, numpy_gather_decode, pagekv_deco
 from fma_peak import CHAINS, _on_every_thread
 from pagekv import attention
 from pagekv.reference import attention as reference
-from prefetch_study import visit_order_sum
+from visit_order import visit_order_sum
 
 
 @pytest.mark.parametrize("kind", KINDS)
