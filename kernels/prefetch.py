@@ -10,7 +10,8 @@ stream of prefetches, a few lines per token row, into L2. (The design note prefe
 page id + 1, which belongs to some other sequence, or to nobody.)
 
 Decode's tiles (bfloat16 and float32 pages, head_dim a multiple of 16) ask for each line
-twice: far ahead (64 KiB by default) and again a short way ahead (an eighth of that). Why it
+twice: far ahead (64 KiB by default, 16 KiB with AVX2's tiles: pagekv/attention.py,
+PREFETCH_BYTES) and again a short way ahead (an eighth of that). Why it
 helps is not measured here (this VM has no performance counters); the likely reason: a prefetch
 is only a hint, and AMD's Zen 4 is reported to drop prefetcht1 requests now and then (Wang et
 al., "The Hitchhiker's Guide to Programming and Optimizing CXL-Based Heterogeneous Systems",

@@ -25,7 +25,7 @@ from pagekv.kernels import plan as _plan
 from pagekv.kernels import slots as _slots
 from pagekv.kernels import threads as _threads
 from pagekv.kernels import validate as _validate
-from pagekv.kernels._tile_ir import HAS_AVX512_BF16
+from pagekv.kernels._tile_ir import ACCUMULATORS, HAS_AVX512_BF16
 
 __all__ = [
     "DecodePlan",
@@ -40,9 +40,13 @@ __all__ = [
 
 MIN_SPLIT_TOKENS = 256  # a split piece of a long sequence covers at least this many tokens
 # How far ahead of its reads a kernel streams K/V into L2 with `prefetch=True` (README: prefetch).
-# 64 KiB: the bfloat16 tiles compute fast enough that 16 KiB arrived late (S1/S3 bfloat16, page 16:
-# 73-76% of the roof at 16 KiB, 79-81% at 64 KiB, two interleaved runs); float32 measured alike.
-PREFETCH_BYTES = 64 * 1024
+# It follows how fast the tiles compute, so it is set by their register budget. AVX-512's tiles: 64
+# KiB, as they compute fast enough that 16 KiB arrived late (AMD EPYC Zen 4, S1/S3 bfloat16, page 16:
+# 73-76% of the roof at 16 KiB, 79-81% at 64 KiB, two interleaved runs; float32 alike). AVX2's
+# tiles: 16 KiB. On an AMD EPYC Zen 3 (AVX2) decode took 0.88-0.98x the time it took at 64 KiB at
+# S1/S2/S3, both dtypes (paged, two runs of 25 alternating rounds; consecutive pages 0.84-0.94x), and
+# 24-32 KiB fell between; chunked prefill measured alike (0.99-1.03x).
+PREFETCH_BYTES = (64 if ACCUMULATORS >= 16 else 16) * 1024
 # Decode's tiles ask for each line again this fraction of the distance ahead: a prefetch is a hint
 # the CPU may drop (kernels/prefetch.py). An eighth (8 KiB of 64) gained the most at S1/S2/S3
 # bfloat16, a half or a quarter less. Not for blocks under PREFETCH_AGAIN_MIN_BLOCK bytes: at page

@@ -155,12 +155,13 @@ def test_prefetch_changes_no_result(kind):
 
 
 @pytest.mark.parametrize("kind, page_size, head_dim, prefetch, blocks", [
-    ("bfloat16", 16, 128, True, (16, 2)),   # 4 KiB blocks: 64 KiB ahead, again 8 KiB ahead
-    ("float32", 16, 128, True, (8, 1)),     # 8 KiB blocks
-    ("float32", 17, 80, True, (13, 2)),     # 5,440-byte blocks: distances round up
-    ("bfloat16", 256, 128, True, (1, 0)),   # 64 KiB blocks: nothing nearer than one block
-    ("bfloat16", 2, 128, True, (128, 16)),  # 512-byte blocks: still asked again
-    ("bfloat16", 2, 64, True, (256, 0)),    # 256-byte blocks: not
+    ("bfloat16", 16, 128, 65536, (16, 2)),   # 4 KiB blocks: 64 KiB ahead, again 8 KiB ahead
+    ("float32", 16, 128, 65536, (8, 1)),     # 8 KiB blocks
+    ("float32", 17, 80, 65536, (13, 2)),     # 5,440-byte blocks: distances round up
+    ("bfloat16", 256, 128, 65536, (1, 0)),   # 64 KiB blocks: nothing nearer than one block
+    ("bfloat16", 2, 128, 65536, (128, 16)),  # 512-byte blocks: still asked again
+    ("bfloat16", 2, 64, 65536, (256, 0)),    # 256-byte blocks: not
+    ("bfloat16", 16, 128, 16384, (4, 1)),    # AVX2's default: 16 KiB ahead, again one block
     ("float32", 16, 64, 1, (1, 0)),
     ("float32", 16, 64, 5000, (2, 1)),
     ("float32", 16, 64, False, (0, 0)),
@@ -169,10 +170,11 @@ def test_prefetch_distances_in_blocks(kind, page_size, head_dim, prefetch, block
     """The far distance (PREFETCH_BYTES for True) and the second, nearer one (an eighth of it) in
     whole head blocks, rounded up; the nearer one is dropped unless it is nearer, and for blocks
     under 512 bytes."""
-    from pagekv.attention import _prefetch_blocks
+    from pagekv.attention import PREFETCH_BYTES, _prefetch_blocks
 
     cache = np.zeros((2, 1, page_size, head_dim), np.float32 if kind == "float32" else np.uint16)
     assert _prefetch_blocks(prefetch, cache) == blocks
+    assert _prefetch_blocks(True, cache) == _prefetch_blocks(PREFETCH_BYTES, cache)
 
 
 @pytest.mark.parametrize("num_heads, page_end, chunk_pages", [(8, 40, 16), (1, 5, 2), (3, 7, 3)])
