@@ -44,7 +44,7 @@ MIN_SPLIT_TOKENS = 256  # a split piece of a long sequence covers at least this 
 # KiB, as they compute fast enough that 16 KiB arrived late (AMD EPYC Zen 4, S1/S3 bfloat16, page 16:
 # 73-76% of the roof at 16 KiB, 79-81% at 64 KiB, two interleaved runs; float32 alike). AVX2's
 # tiles: 16 KiB. On an AMD EPYC Zen 3 (AVX2) decode took 0.88-0.98x the time it took at 64 KiB at
-# S1/S2/S3, both dtypes (paged, two runs of 25 alternating rounds; consecutive pages 0.84-0.94x), and
+# S1/S2/S3, both dtypes (paged, three runs of 25 alternating rounds; consecutive 0.84-0.94x), and
 # 24-32 KiB fell between; chunked prefill measured alike (0.99-1.03x).
 PREFETCH_BYTES = (64 if ACCUMULATORS >= 16 else 16) * 1024
 # Decode's tiles ask for each line again this fraction of the distance ahead: a prefetch is a hint
