@@ -1,4 +1,4 @@
-"""PageAllocator: a fixed pool of page ids with a LIFO free list, a bitmap and reference counts.
+"""PageAllocator: a fixed pool of page ids with a free list, a bitmap and reference counts.
 
 This is the mechanism layer of pagekv (DESIGN.md §3). It knows nothing about sequences, tokens or
 hashes; it hands out page ids, counts references and takes pages back.
@@ -6,8 +6,14 @@ hashes; it hands out page ids, counts references and takes pages back.
 Why this shape: the design note's allocator scanned the whole pool for the first free page on every
 page (O(pool) per page, hours for a 2,097,152-page request) and kept a Python-visible struct per page.
 Here a stack of free ids gives O(1) take and give, the bitmap answers "is this page free?" in O(1)
-without trusting the stack, and the refcounts are a flat int32 array: 8.125 bytes of bookkeeping per
-page and no Python object per page.
+without trusting the stack, and the refcounts are a flat int32 array: no Python object per page.
+
+Runs: an allocation grows each request onto the page after its previous one whenever that page is
+free (the bitmap says so in one test; each free page's place in the stack, kept beside it, takes it
+out of the middle in O(1), the bottom page filling the hole), and a fresh pool's stack starts
+requests far apart (bit-reversed order), so sequences growing side by side do not take each other's
+next pages. Attention reads a sequence's pages in table order, and physically consecutive pages
+spare the memory system a jump per page (README, "Page runs"). 12.125 bytes of bookkeeping per page.
 
 Thread safety: every read and write of the pool happens inside ``cython.critical_section(self)``,
 which is a per-object mutex on free-threaded CPython and a no-op under the GIL. Under the GIL the
@@ -20,7 +26,7 @@ cimport cython
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 import operator
@@ -62,6 +68,29 @@ cdef inline void _set_bit(uint64_t* bitmap, int64_t page) noexcept nogil:
 
 cdef inline void _clear_bit(uint64_t* bitmap, int64_t page) noexcept nogil:
     bitmap[page >> 6] &= ~((<uint64_t>1) << (page & 63))
+
+
+cdef inline uint32_t _reverse_bits(uint32_t x) noexcept nogil:
+    x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1)
+    x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2)
+    x = ((x >> 4) & 0x0F0F0F0Fu) | ((x & 0x0F0F0F0Fu) << 4)
+    x = ((x >> 8) & 0x00FF00FFu) | ((x & 0x00FF00FFu) << 8)
+    return (x >> 16) | (x << 16)
+
+
+cdef void _fill_spread(int32_t* stack, int32_t* position, int64_t n) noexcept nogil:
+    """Fill a fresh stack so that it pops in bit-reversed order (0, n/2, n/4, 3n/4, ... for n a power
+    of two; other sizes skip the reversed values >= n), recording each page's index in ``position``."""
+    cdef int bits = 0
+    cdef int64_t i, page, k = n - 1
+    while (<int64_t>1 << bits) < n:
+        bits += 1
+    for i in range(<int64_t>1 << bits):
+        page = _reverse_bits(<uint32_t>i) >> (32 - bits) if bits else 0
+        if page < n:
+            stack[k] = <int32_t>page
+            position[page] = <int32_t>k
+            k -= 1
 
 
 cdef inline cnp.ndarray _new_int32(Py_ssize_t n):
@@ -132,18 +161,28 @@ cdef class PageAllocator:
 
     Notes
     -----
-    State: a LIFO stack of free page ids (the most recently freed page is handed out first: its memory
-    is the most likely to still be in cache), a bitmap with one bit per page (1 = free), which is the
-    truth for every state check, and an int32 reference count per page.
+    State: a stack of free page ids (a ring buffer), each free page's index in it, a bitmap with one bit per page
+    (1 = free), which is the truth for every state check, and an int32 reference count per page.
+
+    Which pages an allocation takes: a request's first page is the page after ``after`` if that one
+    is free, else the top of the stack (the most recently freed page); each further page is the page
+    after the one before it if free, else the top again. So a sequence that passes its last page as
+    ``after`` keeps growing in one physical run while the pages after it are free; a page taken
+    from the middle of the stack leaves its place to the bottom page, the last one due, so the
+    order of the pages due next is kept. A fresh stack
+    holds the pages in bit-reversed order (0, num_pages/2, num_pages/4, 3*num_pages/4, ... for a power
+    of two): separate requests start far apart and each has room to grow. Pages freed by one
+    :meth:`decref` are pushed in order, so freeing a run last page first hands it out again first
+    page first.
 
     Invariants (audited by :meth:`check`):
 
     - a page is either free (bit 1, refcount 0, on the stack exactly once) or used (bit 0,
       refcount >= 1, not on the stack);
-    - ``num_free == stack size == popcount(bitmap)``.
+    - ``num_free == stack size == popcount(bitmap)``;
+    - each free page's recorded index holds it on the stack.
 
-    A fresh pool hands out pages in ascending order (0, 1, 2, ...). Every operation costs O(1) per
-    page; only :meth:`check` scans the pool. Every operation is all-or-nothing: one that raises leaves
+    Every operation costs O(1) per page; only :meth:`check` scans the pool. Every operation is all-or-nothing: one that raises leaves
     the pool exactly as it was. Safe to share between Python threads.
 
     Examples
@@ -153,14 +192,20 @@ cdef class PageAllocator:
     >>> pages = alloc.allocate(3)
     >>> pages
     array([0, 1, 2], dtype=int32)
+    >>> alloc.allocate(2)                    # another request starts far away
+    array([4, 5], dtype=int32)
+    >>> alloc.allocate(1, after=2)           # the first request grows onto page 3
+    array([3], dtype=int32)
     >>> alloc.incref(pages[:1])              # page 0 is now shared by two holders
     >>> alloc.decref(pages)                  # pages 1 and 2 return to the pool
     array([1, 2], dtype=int32)
     >>> alloc.num_free, alloc.refcount([0]).tolist()
-    (7, [1])
+    (4, [1])
     """
 
-    cdef int32_t* _stack       # free page ids; _stack[_num_free - 1] is the top
+    cdef int32_t* _stack       # free page ids in a ring: from _bottom up, _num_free of them
+    cdef int32_t* _position    # per free page: its index in _stack (stale for used pages)
+    cdef int64_t _bottom
     cdef int32_t* _refcount    # per page
     cdef uint64_t* _bitmap     # 1 bit per page, 1 = free; bits past num_pages stay 0
     cdef int64_t _num_words
@@ -175,21 +220,24 @@ cdef class PageAllocator:
         self._num_pages = <int32_t>n
         self._num_words = (n + 63) // 64
         self._stack = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        self._position = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
         self._refcount = <int32_t*>PyMem_Calloc(n, sizeof(int32_t))
         self._bitmap = <uint64_t*>PyMem_Calloc(self._num_words, sizeof(uint64_t))
-        if self._stack == NULL or self._refcount == NULL or self._bitmap == NULL:
-            raise MemoryError(f"cannot allocate the bookkeeping of {n} pages ({n * 8.125:.0f} bytes)")
+        if (self._stack == NULL or self._position == NULL or self._refcount == NULL
+                or self._bitmap == NULL):
+            raise MemoryError(f"cannot allocate the bookkeeping of {n} pages ({n * 12.125:.0f} bytes)")
         with nogil:
-            for i in range(n):
-                self._stack[i] = <int32_t>(n - 1 - i)  # page 0 on top: a fresh pool fills in order
+            _fill_spread(self._stack, self._position, n)
             for i in range(n // 64):
                 self._bitmap[i] = ~(<uint64_t>0)
             if n % 64:
                 self._bitmap[n // 64] = ((<uint64_t>1) << (n % 64)) - 1
         self._num_free = <int32_t>n
+        self._bottom = 0
 
     def __dealloc__(self):
         PyMem_Free(self._stack)
+        PyMem_Free(self._position)
         PyMem_Free(self._refcount)
         PyMem_Free(self._bitmap)
 
@@ -214,8 +262,8 @@ cdef class PageAllocator:
 
     @property
     def nbytes(self):
-        """int : Bytes of bookkeeping: free stack, refcounts and bitmap (about 8.125 per page)."""
-        return 2 * self._num_pages * sizeof(int32_t) + self._num_words * sizeof(uint64_t)
+        """int : Bytes of bookkeeping: free stack, stack index, refcounts, bitmap (~12.125 per page)."""
+        return 3 * self._num_pages * sizeof(int32_t) + self._num_words * sizeof(uint64_t)
 
     def can_allocate(self, n):
         """Whether ``allocate(n)`` would succeed now.
@@ -252,7 +300,7 @@ cdef class PageAllocator:
             with cython.critical_section(self):
                 if n == self._num_free:
                     for i in range(n):
-                        dst[i] = self._stack[n - 1 - i]
+                        dst[i] = self._stack[self._at(n - 1 - i)]
                     copied = True
         return out
 
@@ -308,25 +356,32 @@ cdef class PageAllocator:
     # a single-page one from 62 to 45 ns); embedsignature's "clinic" format keeps their signatures
     # visible to inspect and stubtest.
     @cython.binding(False)
-    def allocate(self, n):
-        """Take ``n`` distinct free pages, each with refcount 1.
+    def allocate(self, n, *, after=None):
+        """Take ``n`` distinct free pages, each with refcount 1, in one run where the pool allows.
 
         Parameters
         ----------
         n : int
             Number of pages, ``n >= 1``.
+        after : int or None, optional
+            The page the new ones follow (a sequence's last page): the first page taken is
+            ``after + 1`` if that page is free. None or -1: no such page.
 
         Returns
         -------
         ndarray of int32, shape (n,)
-            The pages, most recently freed first.
+            The pages: each the page after the one before it where that page was free, otherwise
+            the most recently freed page.
 
         Raises
         ------
         OutOfPagesError
             Fewer than ``n`` pages are free; nothing was taken.
+        InvalidPageError
+            ``after`` outside ``[-1, num_pages)``.
         """
         cdef int64_t k = _as_integer(n, "n")
+        cdef int64_t prev = self._as_after(after)
         cdef int32_t available
         cdef bint ok
         if k < 1:
@@ -335,15 +390,20 @@ cdef class PageAllocator:
             raise OutOfPagesError(k, self._num_free)
         cdef cnp.ndarray out = _new_int32(k)
         with cython.critical_section(self):
-            ok = self._pop(<int32_t*>_data(out), k)
+            ok = self._take(<int32_t*>_data(out), k, prev)
             available = self._num_free
         if not ok:
             raise OutOfPagesError(k, available)
         return out
 
     @cython.binding(False)
-    def allocate_one(self):
+    def allocate_one(self, *, after=None):
         """Take one free page with refcount 1: the single-page fast path of :meth:`allocate`.
+
+        Parameters
+        ----------
+        after : int or None, optional
+            As in :meth:`allocate`: the page ``after + 1`` is taken if it is free.
 
         Returns
         -------
@@ -354,22 +414,28 @@ cdef class PageAllocator:
         ------
         OutOfPagesError
             No page is free.
+        InvalidPageError
+            ``after`` outside ``[-1, num_pages)``.
         """
+        cdef int64_t prev = self._as_after(after)
         cdef int32_t page
         cdef bint ok
         with cython.critical_section(self):
-            ok = self._pop(&page, 1)
+            ok = self._take(&page, 1, prev)
         if not ok:
             raise OutOfPagesError(1, 0)
         return page
 
-    def allocate_many(self, counts):
+    def allocate_many(self, counts, *, after=None):
         """Take ``counts[i]`` pages for each request ``i`` in one all-or-nothing call.
 
         Parameters
         ----------
         counts : array_like of int, shape (num_requests,)
             Pages wanted by each request, each ``>= 0``.
+        after : array_like of int, shape (num_requests,), optional
+            For each request, the page its new ones follow, as in :meth:`allocate` (-1: none).
+            Requests are served in order, each a run of its own.
 
         Returns
         -------
@@ -382,19 +448,22 @@ cdef class PageAllocator:
         ------
         OutOfPagesError
             The requests need more pages than are free; nothing was taken.
+        InvalidPageError
+            A value of ``after`` outside ``[-1, num_pages)``.
 
         Examples
         --------
         >>> from pagekv import PageAllocator
         >>> pages, indptr = PageAllocator(16).allocate_many([2, 0, 3])
         >>> pages.tolist(), indptr.tolist()
-        ([0, 1, 2, 3, 4], [0, 2, 2, 5])
+        ([0, 1, 8, 9, 10], [0, 2, 2, 5])
         """
         cdef cnp.ndarray wanted = _as_index_array(counts, "counts")
         cdef Py_ssize_t m = cnp.PyArray_SIZE(wanted)
         cdef cnp.ndarray indptr = _new_int32(m + 1)
+        cdef cnp.ndarray follows = self._as_after_array(after, m)
         cdef int64_t total
-        cdef Py_ssize_t bad = 0
+        cdef Py_ssize_t bad = 0, i
         cdef int32_t available
         cdef bint ok
         if cnp.PyArray_TYPE(wanted) == cnp.NPY_INT32:
@@ -408,8 +477,17 @@ cdef class PageAllocator:
         if total > self._num_pages:
             raise OutOfPagesError(total, self._num_free)
         cdef cnp.ndarray out = _new_int32(total)
+        cdef int32_t* pages = <int32_t*>_data(out)
+        cdef const int32_t* offsets = <int32_t*>_data(indptr)
+        cdef const int64_t* prev = NULL
+        if follows is not None:
+            prev = <int64_t*>_data(follows)
         with cython.critical_section(self):
-            ok = self._pop(<int32_t*>_data(out), total)
+            ok = total <= self._num_free  # checked first: the batch is all-or-nothing
+            if ok:
+                for i in range(m):
+                    self._take(pages + offsets[i], offsets[i + 1] - offsets[i],
+                               prev[i] if prev != NULL else -1)
             available = self._num_free
         if not ok:
             raise OutOfPagesError(total, available)
@@ -553,22 +631,46 @@ cdef class PageAllocator:
         self._refcount[p] = <int32_t>_as_integer(value, "value")
 
     # ------------------------------------------------------------------ nogil cores
-    cdef bint _pop(self, int32_t* out, int64_t n) noexcept nogil:
-        """Move the top ``n`` pages of the free stack to ``out`` with refcount 1, or do nothing."""
+    cdef inline int64_t _at(self, int64_t k) noexcept nogil:
+        """Index in the ring of the k-th free page from the bottom."""
+        k += self._bottom
+        return k - self._num_pages if k >= self._num_pages else k
+
+    cdef bint _take(self, int32_t* out, int64_t n, int64_t prev) noexcept nogil:
+        """Move ``n`` free pages to ``out`` with refcount 1, each the page after ``prev`` (then after
+        the one before it) if that page is free, else the top of the stack; or do nothing."""
         # Locals, not self->fields: the stores below go through int32 pointers that C must assume
         # may alias the fields, which would force a reload of every field on every page.
-        cdef const int32_t* top = self._stack + self._num_free - 1
+        cdef int32_t* stack = self._stack
+        cdef int32_t* position = self._position
         cdef int32_t* refcount = self._refcount
         cdef uint64_t* bitmap = self._bitmap
+        cdef int64_t num_pages = self._num_pages
+        cdef int64_t bottom = self._bottom
+        cdef int64_t top = bottom + self._num_free - 1  # may pass the ring's end: wrapped on use
         cdef int64_t i
-        cdef int32_t page
+        cdef int32_t page, moved
         if n > self._num_free:
             return False
         for i in range(n):
-            page = top[-i]
+            if 0 <= prev < num_pages - 1 and _bit_is_set(bitmap, prev + 1):
+                # Out of the middle: the bottom page (the last one due) takes its place, so the
+                # pages due next keep their order.
+                page = <int32_t>(prev + 1)
+                moved = stack[bottom]
+                stack[position[page]] = moved
+                position[moved] = position[page]
+                bottom += 1
+                if bottom == num_pages:
+                    bottom = 0
+            else:
+                page = stack[top - num_pages if top >= num_pages else top]
+                top -= 1
             out[i] = page
             _clear_bit(bitmap, page)
             refcount[page] = 1
+            prev = page
+        self._bottom = bottom
         self._num_free -= <int32_t>n
         return True
 
@@ -597,10 +699,12 @@ cdef class PageAllocator:
                         Py_ssize_t* num_freed, Py_ssize_t* bad) noexcept nogil:
         # Two passes: decrement everything (undoing on the first bad element), and only then release
         # the pages that reached 0, so that a failed batch never touches the stack or the bitmap.
-        cdef int32_t* refcount = self._refcount  # locals: see _pop
+        cdef int32_t* refcount = self._refcount  # locals: see _take
         cdef uint64_t* bitmap = self._bitmap
-        cdef int32_t* stack = self._stack + self._num_free
+        cdef int32_t* stack = self._stack
+        cdef int32_t* position = self._position
         cdef int64_t num_pages = self._num_pages
+        cdef int64_t slot = self._bottom + self._num_free  # above the top, wrapped below
         cdef Py_ssize_t i, j, k = 0
         cdef index_t page
         for i in range(n):
@@ -615,8 +719,12 @@ cdef class PageAllocator:
                 freed[k] = <int32_t>page
                 k += 1
         for j in range(k):
-            stack[j] = freed[j]
+            if slot >= num_pages:
+                slot -= num_pages
+            stack[slot] = freed[j]
+            position[freed[j]] = <int32_t>slot
             _set_bit(bitmap, freed[j])
+            slot += 1
         self._num_free += <int32_t>k
         num_freed[0] = k
         return OK
@@ -639,8 +747,11 @@ cdef class PageAllocator:
         if self._num_free < 0 or self._num_free > self._num_pages:
             where[0] = self._num_free
             return 1
+        if self._bottom < 0 or self._bottom >= self._num_pages:
+            where[0] = self._bottom
+            return 10
         for i in range(self._num_free):
-            page = self._stack[i]
+            page = self._stack[self._at(i)]
             where[0] = page
             if page < 0 or page >= self._num_pages:
                 return 2
@@ -651,6 +762,8 @@ cdef class PageAllocator:
                 return 4
             if self._refcount[page] != 0:
                 return 5
+            if self._position[page] != self._at(i):
+                return 9
         for page in range(self._num_pages):
             where[0] = page
             if _bit_is_set(self._bitmap, page) and not _bit_is_set(seen, page):
@@ -670,6 +783,31 @@ cdef class PageAllocator:
         if p < 0 or p >= self._num_pages:
             raise InvalidPageError(f"expected a page id in [0, {self._num_pages}), got {page!r}")
         return p
+
+    cdef int64_t _as_after(self, object after) except? -2:
+        """``after`` (None or a page id or -1) as a C integer, -1 for none."""
+        if after is None:
+            return -1
+        cdef int64_t p = _as_integer(after, "after")
+        if p < -1 or p >= self._num_pages:
+            raise InvalidPageError(f"expected after in [-1, {self._num_pages}) (a page id, or -1 for "
+                                   f"none), got {after!r}")
+        return p
+
+    cdef object _as_after_array(self, object after, Py_ssize_t m):
+        """``after`` for ``m`` requests as a C-contiguous int64 array, or None for none."""
+        if after is None:
+            return None
+        cdef cnp.ndarray ids = np.ascontiguousarray(_as_index_array(after, "after"), dtype=np.int64)
+        if cnp.PyArray_SIZE(ids) != m:
+            raise ValueError(f"expected after of shape ({m},) (one per request), got "
+                             f"({cnp.PyArray_SIZE(ids)},)")
+        if m:
+            bad = np.flatnonzero((ids < -1) | (ids >= self._num_pages))
+            if len(bad):
+                raise InvalidPageError(f"expected after in [-1, {self._num_pages}) (a page id, or -1 "
+                                       f"for none), got {int(ids[bad[0]])} at index {int(bad[0])}")
+        return ids
 
     cdef void _raise_invalid(self, cnp.ndarray ids, Py_ssize_t bad) except *:
         raise InvalidPageError(
@@ -720,4 +858,6 @@ _AUDIT_MESSAGES = {
     6: "page {where} has its bitmap bit set (free) but is not on the free stack",
     7: "page {where} is used (bitmap bit clear) with a refcount below 1",
     8: "bitmap popcount is {where}, expected num_free = {self.num_free}",
+    9: "free page {where} is not where the stack's index says it is",
+    10: "the free stack's bottom is at {where}, outside the pool",
 }

@@ -110,7 +110,9 @@ class KVCacheManager:
     >>> m.add_sequence("b", [1, 2, 3, 4, 9])          # first page (4 tokens) is cached
     4
     >>> m.append_tokens(["a", "b"], [7, 10]).tolist()  # slots of the two new tokens
-    [6, 9]
+    [6, 129]
+    >>> m.page_table("a").tolist(), m.page_table("b").tolist()  # b's own pages start far away
+    ([0, 1], [0, 32])
     """
 
     def __init__(self, *, num_pages, page_size=16, max_seqs, max_pages_per_seq,
@@ -265,7 +267,7 @@ class KVCacheManager:
             raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
         keys = self._keys(tokens)
         hit = self._hit_pages(keys, len(tokens))
-        fresh = self._take_pages(num_pages - len(hit), keep=set(hit))
+        fresh = self._take_pages(num_pages - len(hit), keep=set(hit), after=hit[-1] if hit else -1)
         if hit:
             self.allocator.incref(hit)
             for page in hit:
@@ -295,8 +297,11 @@ class KVCacheManager:
         tokens = _tokens(token_ids)
         length = int(self.seq_lens[row])
         needed, cow_src = self._pages_for_append(row, len(tokens))
-        fresh = self._take_pages(needed, keep=())
         first_new = self._num_pages(length)
+        # The new pages (the copy of a shared last page first) follow the page before them.
+        follows = first_new - 1 - (cow_src is not None)
+        fresh = self._take_pages(needed, keep=(),
+                                 after=int(self.block_table[row, follows]) if follows >= 0 else -1)
         if cow_src is not None:
             self._redirect(row, first_new - 1, cow_src, int(fresh[0]))
             fresh = fresh[1:]
@@ -330,7 +335,12 @@ class KVCacheManager:
             raise ValueError(f"expected sequences within max_pages_per_seq={self.max_pages_per_seq} "
                              f"pages, got {seq_ids[i]!r} needing page {lens[i] // ps + 1}")
         shared = self._sharers_to_copy(rows, lens)
-        fresh = self._take_pages(len(crossing) + len(shared), keep=())
+        # Each new page follows the page before it in its table: a page after the last one for a
+        # sequence crossing into a new page, after the one before the copied page for a sharer.
+        before = np.concatenate([lens[crossing] // ps - 1, (lens[shared] - 1) // ps - 1])
+        requests = np.concatenate([rows[crossing], rows[shared]])
+        after = np.where(before >= 0, self.block_table[requests, np.maximum(before, 0)], -1)
+        fresh = self._take_pages(len(crossing) + len(shared), keep=(), after=after)
         self.block_table[rows[crossing], lens[crossing] // ps] = fresh[:len(crossing)]
         for i, dst in zip(shared, fresh[len(crossing):]):
             self._redirect(rows[i], (lens[i] - 1) // ps, int(self.block_table[rows[i], (lens[i] - 1) // ps]),
@@ -515,10 +525,12 @@ class KVCacheManager:
             if self.prefix is not None else 0
         return self.allocator.num_free + evictable
 
-    def _take_pages(self, count, *, keep):
+    def _take_pages(self, count, *, keep, after=-1):
         """Allocate ``count`` pages, evicting cached pages (never those in ``keep``) if needed.
 
-        Raises before changing anything when even eviction cannot supply them.
+        ``after``: the page the new ones follow (one run), or an int32 array of one such page per
+        page taken (a run each); -1 for none. Raises before changing anything when even eviction
+        cannot supply them.
         """
         if count == 0:
             return np.empty(0, np.int32)
@@ -531,7 +543,9 @@ class KVCacheManager:
             if self.on_evict is not None:
                 self.on_evict([key for key, _ in victims], np.array([p for _, p in victims], np.int32))
             self.allocator.decref([page for _, page in victims])
-        return self.allocator.allocate(count)
+        if isinstance(after, np.ndarray):
+            return self.allocator.allocate_many(np.ones(count, np.int32), after=after)[0]
+        return self.allocator.allocate(count, after=after)
 
     def _pages_for_append(self, row, num_tokens):
         """(pages to take, the shared partial last page to copy first or None) for an append."""

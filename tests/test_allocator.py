@@ -39,11 +39,97 @@ def busy():
 
 # ---------------------------------------------------------------- behaviour
 
-def test_fresh_pool_hands_out_pages_in_ascending_order():
+def test_fresh_pool_starts_requests_far_apart_in_bit_reversed_order():
+    assert PageAllocator(16).free_pages().tolist() == [0, 8, 4, 12, 2, 10, 6, 14,
+                                                       1, 9, 5, 13, 3, 11, 7, 15]
+    assert PageAllocator(10).free_pages().tolist() == [0, 8, 4, 2, 6, 1, 9, 5, 3, 7]
+    assert PageAllocator(1).free_pages().tolist() == [0]
     alloc = PageAllocator(10)
-    assert alloc.allocate(4).tolist() == [0, 1, 2, 3]
-    assert alloc.allocate_one() == 4
+    assert alloc.allocate(4).tolist() == [0, 1, 2, 3]  # one request: one run
+    assert alloc.allocate_one() == 8
     assert (alloc.num_free, alloc.num_used) == (5, 5)
+    alloc.check()
+
+
+@pytest.mark.parametrize("num_pages", [1, 2, 3, 17, 63, 64, 65, 97, 1000])
+def test_fresh_stack_is_a_permutation_for_any_size(num_pages):
+    alloc = PageAllocator(num_pages)
+    assert sorted(alloc.free_pages().tolist()) == list(range(num_pages))
+    alloc.check()
+
+
+def test_a_request_grows_onto_the_page_after_its_last_one():
+    alloc = PageAllocator(64)
+    a, b = alloc.allocate(3).tolist(), alloc.allocate(3).tolist()
+    assert (a, b) == ([0, 1, 2], [32, 33, 34])
+    for _ in range(5):  # side by side, a page each in turn, as decode steps take them
+        a.append(alloc.allocate_one(after=a[-1]))
+        b.append(alloc.allocate_one(after=b[-1]))
+    assert a == list(range(8)) and b == list(range(32, 40))
+    assert alloc.allocate(2, after=b[-1]).tolist() == [40, 41]
+    alloc.check()
+
+
+def test_a_taken_next_page_falls_back_to_the_top_and_the_run_goes_on_from_there():
+    alloc = PageAllocator(16)
+    first = alloc.allocate(4).tolist()              # 0..3
+    other = alloc.allocate_one(after=first[-1])     # 4: the page after the run
+    assert other == 4
+    top = alloc.free_pages()[0]
+    assert alloc.allocate(3, after=first[-1]).tolist() == [top, top + 1, top + 2]
+    alloc.check()
+
+
+def test_the_last_page_of_the_pool_has_no_next_page():
+    alloc = PageAllocator(4)
+    top = alloc.free_pages()[0]
+    assert alloc.allocate_one(after=3) == top
+    alloc.check()
+
+
+def test_freeing_a_run_last_page_first_hands_it_out_again_in_order():
+    alloc = PageAllocator(64)
+    run = alloc.allocate(6)
+    alloc.allocate(5)
+    alloc.decref(run[::-1].copy())
+    assert alloc.allocate(6).tolist() == run.tolist()
+    alloc.check()
+
+
+def test_allocate_many_grows_each_request_after_its_own_page():
+    alloc = PageAllocator(64)
+    a, b = alloc.allocate(2), alloc.allocate(2)
+    pages, indptr = alloc.allocate_many([2, 0, 1], after=np.array([b[-1], -1, a[-1]]))
+    assert pages.tolist() == [b[-1] + 1, b[-1] + 2, a[-1] + 1] and indptr.tolist() == [0, 2, 2, 3]
+    alloc.check()
+
+
+@pytest.mark.parametrize("call", [
+    lambda alloc: alloc.allocate(1, after=64),
+    lambda alloc: alloc.allocate(1, after=-2),
+    lambda alloc: alloc.allocate_one(after=2**40),
+    lambda alloc: alloc.allocate_many([1, 1], after=[0, 64]),
+])
+def test_after_outside_the_pool_raises_and_takes_nothing(call):
+    alloc = PageAllocator(64)
+    alloc.allocate(3)
+    before = alloc.free_pages().tolist()
+    with pytest.raises(InvalidPageError, match=r"expected after in \[-1, 64\)"):
+        call(alloc)
+    assert alloc.free_pages().tolist() == before
+    alloc.check()
+
+
+def test_after_of_the_wrong_shape_or_type_raises_and_takes_nothing():
+    alloc = PageAllocator(8)
+    with pytest.raises(ValueError, match=r"expected after of shape \(2,\)"):
+        alloc.allocate_many([1, 1], after=[0])
+    with pytest.raises(TypeError, match="expected an integer for after"):
+        alloc.allocate(1, after=1.0)
+    with pytest.raises(TypeError, match="expected an integer dtype for after"):
+        alloc.allocate_many([1], after=[0.5])
+    assert alloc.num_free == 8
+    alloc.check()
 
 
 def test_allocate_returns_int32_with_refcount_one():
@@ -114,7 +200,7 @@ def test_allocate_many_is_csr_with_empty_requests():
     pages, indptr = alloc.allocate_many(np.array([3, 0, 1, 4], dtype=np.int64))
     assert indptr.dtype == np.int32 and pages.dtype == np.int32
     assert indptr.tolist() == [0, 3, 3, 4, 8]
-    assert pages.tolist() == list(range(8))
+    assert pages.tolist() == [0, 1, 2, 16, 8, 9, 10, 11]  # each request a run, far apart
     pages, indptr = alloc.allocate_many([])
     assert pages.tolist() == [] and indptr.tolist() == [0]
     alloc.check()
@@ -139,10 +225,10 @@ def test_can_allocate_answers_without_acting():
     assert alloc.num_free == 2
 
 
-def test_nbytes_is_under_nine_bytes_per_page():
+def test_nbytes_is_under_thirteen_bytes_per_page():
     alloc = PageAllocator(2**20)
-    assert alloc.nbytes == 2**20 * 8 + 2**20 // 8
-    assert alloc.nbytes / alloc.num_pages <= 9
+    assert alloc.nbytes == 2**20 * 12 + 2**20 // 8  # stack, stack index, refcounts; bitmap
+    assert alloc.nbytes / alloc.num_pages <= 13
 
 
 def test_repr_names_the_state():

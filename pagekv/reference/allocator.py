@@ -1,8 +1,10 @@
 """ReferencePageAllocator: the plain-Python twin of :class:`pagekv.PageAllocator`.
 
-Same contract and the same page-choice policy (a LIFO free list; a fresh pool hands out 0, 1, 2, ...;
-pages freed by one decref are pushed in the order they reached refcount 0), so a test can demand that
-both return identical page ids, not merely equally many.
+Same contract and the same page-choice policy (a free stack that a fresh pool fills in bit-reversed
+order; each page taken is the page after the previous one of its request if that is free, else the
+top, a page out of the middle leaving its place to the bottom one; pages freed by one decref are pushed
+in the order they reached refcount 0), so a test can demand that both return identical page ids, not
+merely equally many.
 """
 
 import operator
@@ -28,7 +30,9 @@ class ReferencePageAllocator:
         if not 1 <= num_pages <= _REFCOUNT_MAX:
             raise ValueError(f"expected num_pages in [1, 2**31 - 1], got {num_pages}")
         self.num_pages = num_pages
-        self.free_stack = list(range(num_pages - 1, -1, -1))  # top is the end: page 0 first
+        bits = (num_pages - 1).bit_length()
+        spread = [int(format(i, f"0{bits}b")[::-1], 2) if bits else 0 for i in range(1 << bits)]
+        self.free_stack = [page for page in spread if page < num_pages][::-1]  # top is the end
         self.free = set(self.free_stack)
         self.refcounts: dict[int, int] = {}  # used pages only
 
@@ -46,20 +50,23 @@ class ReferencePageAllocator:
             raise ValueError(f"expected n >= 0, got {n}")
         return n <= self.num_free
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, *, after=None) -> list[int]:
         n = _integer(n, "n")
+        prev = self._after(after)
         if n < 1:
             raise ValueError(f"expected n >= 1, got {n}")
         if n > self.num_free:
             raise OutOfPagesError(n, self.num_free)
-        pages = [self.free_stack.pop() for _ in range(n)]
-        for page in pages:
-            self.free.remove(page)
-            self.refcounts[page] = 1
-        return pages
+        return self._take(n, prev)
 
-    def allocate_many(self, counts) -> tuple[list[int], list[int]]:
+    def allocate_many(self, counts, *, after=None) -> tuple[list[int], list[int]]:
         counts = [_integer(c, "counts") for c in counts]
+        follows = [-1] * len(counts) if after is None else [_integer(a, "after") for a in after]
+        if len(follows) != len(counts):
+            raise ValueError(f"expected after of shape ({len(counts)},), got ({len(follows)},)")
+        for i, a in enumerate(follows):
+            if not -1 <= a < self.num_pages:
+                raise InvalidPageError(f"expected after in [-1, {self.num_pages}), got {a} at index {i}")
         for i, c in enumerate(counts):
             if c < 0:
                 raise ValueError(f"expected counts >= 0, got {c} at index {i}")
@@ -69,7 +76,32 @@ class ReferencePageAllocator:
         indptr = [0]
         for c in counts:
             indptr.append(indptr[-1] + c)
-        return (self.allocate(total) if total else []), indptr
+        return [page for c, a in zip(counts, follows) for page in self._take(c, a)], indptr
+
+    def _take(self, n: int, prev: int) -> list[int]:
+        pages = []
+        for _ in range(n):
+            if prev >= 0 and prev + 1 in self.free:
+                page = prev + 1
+                index = self.free_stack.index(page)
+                bottom = self.free_stack.pop(0)
+                if index:
+                    self.free_stack[index - 1] = bottom
+            else:
+                page = self.free_stack.pop()
+            self.free.remove(page)
+            self.refcounts[page] = 1
+            pages.append(page)
+            prev = page
+        return pages
+
+    def _after(self, after) -> int:
+        if after is None:
+            return -1
+        after = _integer(after, "after")
+        if not -1 <= after < self.num_pages:
+            raise InvalidPageError(f"expected after in [-1, {self.num_pages}), got {after}")
+        return after
 
     def incref(self, pages) -> None:
         # Elements are checked in order: the first bad one names the error, as in the fast allocator.

@@ -63,7 +63,9 @@ class ReferenceKVCacheManager:
             raise UnknownSequenceError(f"expected a held sequence id, got {seq_id!r}")
         return self.tables[seq_id]
 
-    def _take(self, count, keep):
+    def _take(self, count, keep, after=-1):
+        """``count`` pages after evicting what is needed; ``after``: the page they follow, or a
+        list of one such page per page taken (-1: none)."""
         if count == 0:
             return []
         if count > self.allocator.num_free:
@@ -75,7 +77,9 @@ class ReferenceKVCacheManager:
                 self.lru.remove(page)
                 del self.page_of[self.key_of.pop(page)]
             self.allocator.decref(victims)
-        return self.allocator.allocate(count)
+        if isinstance(after, list):
+            return self.allocator.allocate_many([1] * count, after=after)[0]
+        return self.allocator.allocate(count, after=after)
 
     def _offer_full_pages(self, seq_id):
         """Offer each newly full page to the cache, in order; the cache keeps a reference."""
@@ -115,7 +119,7 @@ class ReferenceKVCacheManager:
                 hit.append(self.page_of[key])
         if len(hit) * self.page_size == len(tokens):
             hit = hit[:-1]
-        fresh = self._take(num_pages - len(hit), set(hit))
+        fresh = self._take(num_pages - len(hit), set(hit), hit[-1] if hit else -1)
         if hit:
             self.allocator.incref(hit)
             self.lru = [p for p in self.lru if p not in hit]
@@ -135,7 +139,8 @@ class ReferenceKVCacheManager:
         if end > self.max_pages_per_seq:
             raise ValueError("expected a sequence within max_pages_per_seq")
         cow = length % self.page_size != 0 and self.allocator.refcount([table[-1]])[0] > 1
-        fresh = self._take(end - len(table) + cow, set())
+        follows = len(table) - 1 - cow  # the page before the first new one (or the copy)
+        fresh = self._take(end - len(table) + cow, set(), table[follows] if follows >= 0 else -1)
         if cow:
             self._copy_on_write(seq_id, fresh.pop(0))
         table.extend(fresh)
@@ -168,7 +173,9 @@ class ReferenceKVCacheManager:
                 if holders[page] > 1:
                     shared.append(i)
                     holders[page] -= 1
-        fresh = self._take(len(crossing) + len(shared), set())
+        before = [(i, len(tables[i]) - 1) for i in crossing] + [(i, len(tables[i]) - 2) for i in shared]
+        fresh = self._take(len(crossing) + len(shared), set(),
+                           [tables[i][k] if k >= 0 else -1 for i, k in before])
         for i, page in zip(crossing, fresh):
             tables[i].append(page)
         for i, page in zip(shared, fresh[len(crossing):]):
