@@ -9,11 +9,12 @@ Here a stack of free ids gives O(1) take and give, the bitmap answers "is this p
 without trusting the stack, and the refcounts are a flat int32 array: no Python object per page.
 
 Runs: an allocation grows each request onto the page after its previous one whenever that page is
-free (the bitmap says so in one test; each free page's place in the stack, kept beside it, takes it
-out of the middle in O(1), the bottom page filling the hole), and a fresh pool's stack starts
+free (the bitmap says so in one test; each free page's place in the stack, kept in the word that
+holds a used page's refcount, takes it out of the middle in O(1), the bottom page filling the hole),
+and a fresh pool's stack starts
 requests far apart (bit-reversed order), so sequences growing side by side do not take each other's
 next pages. Attention reads a sequence's pages in table order, and physically consecutive pages
-spare the memory system a jump per page (README, "Page runs"). 12.125 bytes of bookkeeping per page.
+spare the memory system a jump per page (README, "Page runs"). 8.125 bytes of bookkeeping per page.
 
 Thread safety: every read and write of the pool happens inside ``cython.critical_section(self)``,
 which is a per-object mutex on free-threaded CPython and a no-op under the GIL. Under the GIL the
@@ -161,8 +162,9 @@ cdef class PageAllocator:
 
     Notes
     -----
-    State: a stack of free page ids (a ring buffer), each free page's index in it, a bitmap with one bit per page
-    (1 = free), which is the truth for every state check, and an int32 reference count per page.
+    State: a stack of free page ids (a ring buffer), a bitmap with one bit per page (1 = free),
+    which is the truth for every state check, and one int32 word per page: a used page's reference
+    count, a free page's index in the stack.
 
     Which pages an allocation takes: a request's first page is the page after ``after`` if that one
     is free, else the top of the stack (the most recently freed page); each further page is the page
@@ -177,10 +179,9 @@ cdef class PageAllocator:
 
     Invariants (audited by :meth:`check`):
 
-    - a page is either free (bit 1, refcount 0, on the stack exactly once) or used (bit 0,
-      refcount >= 1, not on the stack);
-    - ``num_free == stack size == popcount(bitmap)``;
-    - each free page's recorded index holds it on the stack.
+    - a page is either free (bit 1, on the stack exactly once, where its word says; refcount 0)
+      or used (bit 0, refcount >= 1, not on the stack);
+    - ``num_free == stack size == popcount(bitmap)``.
 
     Every operation costs O(1) per page; only :meth:`check` scans the pool. Every operation is all-or-nothing: one that raises leaves
     the pool exactly as it was. Safe to share between Python threads.
@@ -204,9 +205,10 @@ cdef class PageAllocator:
     """
 
     cdef int32_t* _stack       # free page ids in a ring: from _bottom up, _num_free of them
-    cdef int32_t* _position    # per free page: its index in _stack (stale for used pages)
     cdef int64_t _bottom
-    cdef int32_t* _refcount    # per page
+    # Per page, one word: a used page's refcount, a free page's index in _stack (a free page's
+    # refcount is 0 and a used page is on no stack, so the bitmap says which one the word holds).
+    cdef int32_t* _count_or_index
     cdef uint64_t* _bitmap     # 1 bit per page, 1 = free; bits past num_pages stay 0
     cdef int64_t _num_words
     cdef int32_t _num_pages
@@ -220,14 +222,12 @@ cdef class PageAllocator:
         self._num_pages = <int32_t>n
         self._num_words = (n + 63) // 64
         self._stack = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
-        self._position = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
-        self._refcount = <int32_t*>PyMem_Calloc(n, sizeof(int32_t))
+        self._count_or_index = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
         self._bitmap = <uint64_t*>PyMem_Calloc(self._num_words, sizeof(uint64_t))
-        if (self._stack == NULL or self._position == NULL or self._refcount == NULL
-                or self._bitmap == NULL):
-            raise MemoryError(f"cannot allocate the bookkeeping of {n} pages ({n * 12.125:.0f} bytes)")
+        if self._stack == NULL or self._count_or_index == NULL or self._bitmap == NULL:
+            raise MemoryError(f"cannot allocate the bookkeeping of {n} pages ({n * 8.125:.0f} bytes)")
         with nogil:
-            _fill_spread(self._stack, self._position, n)
+            _fill_spread(self._stack, self._count_or_index, n)
             for i in range(n // 64):
                 self._bitmap[i] = ~(<uint64_t>0)
             if n % 64:
@@ -237,8 +237,7 @@ cdef class PageAllocator:
 
     def __dealloc__(self):
         PyMem_Free(self._stack)
-        PyMem_Free(self._position)
-        PyMem_Free(self._refcount)
+        PyMem_Free(self._count_or_index)
         PyMem_Free(self._bitmap)
 
     def __repr__(self):
@@ -262,8 +261,8 @@ cdef class PageAllocator:
 
     @property
     def nbytes(self):
-        """int : Bytes of bookkeeping: free stack, stack index, refcounts, bitmap (~12.125 per page)."""
-        return 3 * self._num_pages * sizeof(int32_t) + self._num_words * sizeof(uint64_t)
+        """int : Bytes of bookkeeping: free stack, refcounts or stack indices, bitmap (~8.125 per page)."""
+        return 2 * self._num_pages * sizeof(int32_t) + self._num_words * sizeof(uint64_t)
 
     def can_allocate(self, n):
         """Whether ``allocate(n)`` would succeed now.
@@ -625,10 +624,11 @@ cdef class PageAllocator:
             raise InvariantError(_AUDIT_MESSAGES[problem].format(where=where, self=self))
 
     def _unsafe_set_refcount(self, page, value):
-        """Overwrite one refcount, bypassing every rule. A testing hook that breaks invariants on
-        purpose, so tests can prove that :meth:`check` notices; never call it otherwise."""
+        """Overwrite one page's word (a used page's refcount, a free page's index in the stack),
+        bypassing every rule. A testing hook that breaks invariants on purpose, so tests can prove
+        that :meth:`check` notices; never call it otherwise."""
         cdef int64_t p = self._as_page(page)
-        self._refcount[p] = <int32_t>_as_integer(value, "value")
+        self._count_or_index[p] = <int32_t>_as_integer(value, "value")
 
     # ------------------------------------------------------------------ nogil cores
     cdef inline int64_t _at(self, int64_t k) noexcept nogil:
@@ -642,8 +642,7 @@ cdef class PageAllocator:
         # Locals, not self->fields: the stores below go through int32 pointers that C must assume
         # may alias the fields, which would force a reload of every field on every page.
         cdef int32_t* stack = self._stack
-        cdef int32_t* position = self._position
-        cdef int32_t* refcount = self._refcount
+        cdef int32_t* word = self._count_or_index
         cdef uint64_t* bitmap = self._bitmap
         cdef int64_t num_pages = self._num_pages
         cdef int64_t bottom = self._bottom
@@ -658,8 +657,8 @@ cdef class PageAllocator:
                 # pages due next keep their order.
                 page = <int32_t>(prev + 1)
                 moved = stack[bottom]
-                stack[position[page]] = moved
-                position[moved] = position[page]
+                stack[word[page]] = moved
+                word[moved] = word[page]
                 bottom += 1
                 if bottom == num_pages:
                     bottom = 0
@@ -668,7 +667,7 @@ cdef class PageAllocator:
                 top -= 1
             out[i] = page
             _clear_bit(bitmap, page)
-            refcount[page] = 1
+            word[page] = 1  # its refcount from now on
             prev = page
         self._bottom = bottom
         self._num_free -= <int32_t>n
@@ -678,19 +677,20 @@ cdef class PageAllocator:
         cdef Py_ssize_t i, j
         cdef index_t page
         cdef Status status = OK
+        cdef int32_t* refcount = self._count_or_index  # of used pages, the only ones changed
         for i in range(n):
             page = pages[i]
             if page < 0 or page >= self._num_pages:
                 status = BAD_ID
-            elif self._refcount[page] == 0:
+            elif _bit_is_set(self._bitmap, page):
                 status = BAD_STATE
-            elif self._refcount[page] == INT32_MAX:
+            elif refcount[page] == INT32_MAX:
                 status = OVERFLOW
             else:
-                self._refcount[page] += 1
+                refcount[page] += 1
                 continue
             for j in range(i):  # undo: the batch is all-or-nothing
-                self._refcount[pages[j]] -= 1
+                refcount[pages[j]] -= 1
             bad[0] = i
             return status
         return OK
@@ -699,30 +699,30 @@ cdef class PageAllocator:
                         Py_ssize_t* num_freed, Py_ssize_t* bad) noexcept nogil:
         # Two passes: decrement everything (undoing on the first bad element), and only then release
         # the pages that reached 0, so that a failed batch never touches the stack or the bitmap.
-        cdef int32_t* refcount = self._refcount  # locals: see _take
+        cdef int32_t* word = self._count_or_index  # locals: see _take
         cdef uint64_t* bitmap = self._bitmap
         cdef int32_t* stack = self._stack
-        cdef int32_t* position = self._position
         cdef int64_t num_pages = self._num_pages
         cdef int64_t slot = self._bottom + self._num_free  # above the top, wrapped below
         cdef Py_ssize_t i, j, k = 0
         cdef index_t page
         for i in range(n):
             page = pages[i]
-            if page < 0 or page >= num_pages or refcount[page] == 0:
+            # A free page, or one this batch already took to 0 (its bit is still clear).
+            if page < 0 or page >= num_pages or _bit_is_set(bitmap, page) or word[page] == 0:
                 for j in range(i):
-                    refcount[pages[j]] += 1
+                    word[pages[j]] += 1
                 bad[0] = i
                 return BAD_ID if (page < 0 or page >= num_pages) else BAD_STATE
-            refcount[page] -= 1
-            if refcount[page] == 0:
+            word[page] -= 1
+            if word[page] == 0:
                 freed[k] = <int32_t>page
                 k += 1
         for j in range(k):
             if slot >= num_pages:
                 slot -= num_pages
             stack[slot] = freed[j]
-            position[freed[j]] = <int32_t>slot
+            word[freed[j]] = <int32_t>slot
             _set_bit(bitmap, freed[j])
             slot += 1
         self._num_free += <int32_t>k
@@ -739,7 +739,8 @@ cdef class PageAllocator:
             if bits:
                 (<cnp.npy_bool*>out)[i] = _bit_is_set(self._bitmap, pages[i])
             else:
-                (<int32_t*>out)[i] = self._refcount[pages[i]]
+                (<int32_t*>out)[i] = (0 if _bit_is_set(self._bitmap, pages[i])
+                                      else self._count_or_index[pages[i]])
         return OK
 
     cdef int64_t _audit(self, uint64_t* seen, int64_t* where) noexcept nogil:
@@ -760,15 +761,13 @@ cdef class PageAllocator:
             _set_bit(seen, page)
             if not _bit_is_set(self._bitmap, page):
                 return 4
-            if self._refcount[page] != 0:
-                return 5
-            if self._position[page] != self._at(i):
+            if self._count_or_index[page] != self._at(i):
                 return 9
         for page in range(self._num_pages):
             where[0] = page
             if _bit_is_set(self._bitmap, page) and not _bit_is_set(seen, page):
                 return 6
-            if not _bit_is_set(self._bitmap, page) and self._refcount[page] < 1:
+            if not _bit_is_set(self._bitmap, page) and self._count_or_index[page] < 1:
                 return 7
         for i in range(self._num_words):
             popcount += popcount64(self._bitmap[i])
@@ -828,7 +827,7 @@ cdef class PageAllocator:
         if _bit_is_set(self._bitmap, page):
             raise PageStateError(f"expected pages in use, got free page {page} at index {bad} "
                                  f"(double free)")
-        raise PageStateError(f"expected at most {self._refcount[page]} decrefs of page {page} "
+        raise PageStateError(f"expected at most {self._count_or_index[page]} decrefs of page {page} "
                              f"(its refcount), got more: the extra one is at index {bad}")
 
 
@@ -854,7 +853,6 @@ _AUDIT_MESSAGES = {
     2: "free stack holds page id {where}, outside the pool",
     3: "page {where} is on the free stack twice",
     4: "page {where} is on the free stack but its bitmap bit says used",
-    5: "page {where} is on the free stack with a nonzero refcount",
     6: "page {where} has its bitmap bit set (free) but is not on the free stack",
     7: "page {where} is used (bitmap bit clear) with a refcount below 1",
     8: "bitmap popcount is {where}, expected num_free = {self.num_free}",

@@ -225,10 +225,10 @@ def test_can_allocate_answers_without_acting():
     assert alloc.num_free == 2
 
 
-def test_nbytes_is_under_thirteen_bytes_per_page():
+def test_nbytes_is_under_nine_bytes_per_page():
     alloc = PageAllocator(2**20)
-    assert alloc.nbytes == 2**20 * 12 + 2**20 // 8  # stack, stack index, refcounts; bitmap
-    assert alloc.nbytes / alloc.num_pages <= 13
+    assert alloc.nbytes == 2**20 * 8 + 2**20 // 8  # stack, refcount or stack index; bitmap
+    assert alloc.nbytes / alloc.num_pages <= 9
 
 
 def test_repr_names_the_state():
@@ -473,7 +473,7 @@ def test_construction_rejects_bad_sizes(num_pages, error):
 # ---------------------------------------------------------------- the audit can fail
 
 @pytest.mark.parametrize("corruption, message", [
-    (lambda a, used, free: a._unsafe_set_refcount(free, 3), "nonzero refcount"),
+    (lambda a, used, free: a._unsafe_set_refcount(free, -1), "not where the stack's index says"),
     (lambda a, used, free: a._unsafe_set_refcount(used, 0), "refcount below 1"),
 ])
 def test_check_detects_corruption(busy, corruption, message):
