@@ -26,8 +26,11 @@ from pagekv import KVCacheManager, KVCacheSpec, attention
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # S1's
 
 
-def churn_tables(*, live, steps, page_size, prompt_tokens, new_tokens, seed=0):
+def churn_tables(*, live, steps, page_size, prompt_tokens, new_tokens, prefix_caching=False, seed=0):
     """Drive a KVCacheManager through ``steps`` decode steps of churn; return the live tables.
+
+    With ``prefix_caching`` every full page stays cached after its sequence ends, so the pool runs
+    full of cached pages and every allocation evicts (random prompts: no hits).
 
     Returns
     -------
@@ -41,7 +44,7 @@ def churn_tables(*, live, steps, page_size, prompt_tokens, new_tokens, seed=0):
     max_pages = -(-(prompt_tokens[1] + new_tokens[1]) // page_size)
     num_pages = live * max_pages + live  # never short of pages: the policy alone decides
     manager = KVCacheManager(num_pages=num_pages, page_size=page_size, max_seqs=live,
-                             max_pages_per_seq=max_pages, enable_prefix_caching=False)
+                             max_pages_per_seq=max_pages, enable_prefix_caching=prefix_caching)
     left = {}
 
     def admit(seq_id):
@@ -124,15 +127,18 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(100, 2000), metavar=("MIN", "MAX"))
     parser.add_argument("--new-tokens", type=int, nargs=2, default=(50, 1500), metavar=("MIN", "MAX"))
     parser.add_argument("--kinds", nargs="+", default=("bfloat16", "float32"))
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="keep finished sequences' full pages cached (the pool runs full)")
     args = parser.parse_args()
     rng = np.random.default_rng(1)
     tables, seq_lens, num_pages = churn_tables(
         live=args.live, steps=args.steps, page_size=args.page_size,
-        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, prefix_caching=args.prefix_caching)
     layouts = {"served": tables, "consecutive": consecutive_tables(tables),
                "random": random_tables(tables, num_pages, rng)}
     print(f"{args.live} sequences after {args.steps} decode steps of churn, page {args.page_size}, "
-          f"{int(seq_lens.sum())} tokens; {numba.get_num_threads()} threads\n")
+          f"prefix caching {'on' if args.prefix_caching else 'off'}, {int(seq_lens.sum())} tokens; "
+          f"{numba.get_num_threads()} threads\n")
     print("| pages | next page is the physically next one | mean run (pages, page-weighted) |")
     print("|---|---|---|")
     for name, layout in layouts.items():

@@ -11,10 +11,10 @@ without trusting the stack, and the refcounts are a flat int32 array: no Python 
 Runs: an allocation grows each request onto the page after its previous one whenever that page is
 free (the bitmap says so in one test; each free page's place in the stack, kept in the word that
 holds a used page's refcount, takes it out of the middle in O(1), the bottom page filling the hole),
-and a fresh pool's stack starts
-requests far apart (bit-reversed order), so sequences growing side by side do not take each other's
-next pages. Attention reads a sequence's pages in table order, and physically consecutive pages
-spare the memory system a jump per page (README, "Page runs"). 8.125 bytes of bookkeeping per page.
+and a fresh pool's stack starts requests far apart (bit-reversed order), so sequences growing side
+by side do not take each other's next pages. Attention reads a sequence's pages in table order, and
+physically consecutive pages spare the memory system a jump per page (README, "Page runs"). 8.125
+bytes of bookkeeping per page.
 
 Thread safety: every read and write of the pool happens inside ``cython.critical_section(self)``,
 which is a per-object mutex on free-threaded CPython and a no-op under the GIL. Under the GIL the
@@ -79,9 +79,9 @@ cdef inline uint32_t _reverse_bits(uint32_t x) noexcept nogil:
     return (x >> 16) | (x << 16)
 
 
-cdef void _fill_spread(int32_t* stack, int32_t* position, int64_t n) noexcept nogil:
+cdef void _fill_spread(int32_t* stack, int32_t* word, int64_t n) noexcept nogil:
     """Fill a fresh stack so that it pops in bit-reversed order (0, n/2, n/4, 3n/4, ... for n a power
-    of two; other sizes skip the reversed values >= n), recording each page's index in ``position``."""
+    of two; other sizes skip the reversed values >= n), recording each page's index in its word."""
     cdef int bits = 0
     cdef int64_t i, page, k = n - 1
     while (<int64_t>1 << bits) < n:
@@ -90,8 +90,13 @@ cdef void _fill_spread(int32_t* stack, int32_t* position, int64_t n) noexcept no
         page = _reverse_bits(<uint32_t>i) >> (32 - bits) if bits else 0
         if page < n:
             stack[k] = <int32_t>page
-            position[page] = <int32_t>k
+            word[page] = _free_word(k)
             k -= 1
+
+
+cdef inline int32_t _free_word(int64_t index) noexcept nogil:
+    """The word of a free page at ``index`` in the stack: -1 - index, never a refcount (>= 0)."""
+    return <int32_t>(-1 - index)
 
 
 cdef inline cnp.ndarray _new_int32(Py_ssize_t n):
@@ -206,8 +211,9 @@ cdef class PageAllocator:
 
     cdef int32_t* _stack       # free page ids in a ring: from _bottom up, _num_free of them
     cdef int64_t _bottom
-    # Per page, one word: a used page's refcount, a free page's index in _stack (a free page's
-    # refcount is 0 and a used page is on no stack, so the bitmap says which one the word holds).
+    # Per page, one word: a used page's refcount (>= 1), a free page's index i in _stack stored as
+    # -1 - i (a free page's refcount is 0 and a used page is on no stack: one word holds either,
+    # and its sign says which, so the reference counting needs no bitmap read).
     cdef int32_t* _count_or_index
     cdef uint64_t* _bitmap     # 1 bit per page, 1 = free; bits past num_pages stay 0
     cdef int64_t _num_words
@@ -382,14 +388,16 @@ cdef class PageAllocator:
         cdef int64_t k = _as_integer(n, "n")
         cdef int64_t prev = self._as_after(after)
         cdef int32_t available
+        cdef int32_t offsets[2]
         cdef bint ok
         if k < 1:
             raise ValueError(f"expected n >= 1, got {n!r}")
         if k > self._num_pages:
             raise OutOfPagesError(k, self._num_free)
         cdef cnp.ndarray out = _new_int32(k)
+        offsets[0], offsets[1] = 0, <int32_t>k
         with cython.critical_section(self):
-            ok = self._take(<int32_t*>_data(out), k, prev)
+            ok = self._take(<int32_t*>_data(out), offsets, 1, &prev)
             available = self._num_free
         if not ok:
             raise OutOfPagesError(k, available)
@@ -418,9 +426,11 @@ cdef class PageAllocator:
         """
         cdef int64_t prev = self._as_after(after)
         cdef int32_t page
+        cdef int32_t offsets[2]
         cdef bint ok
+        offsets[0], offsets[1] = 0, 1
         with cython.critical_section(self):
-            ok = self._take(&page, 1, prev)
+            ok = self._take(&page, offsets, 1, &prev)
         if not ok:
             raise OutOfPagesError(1, 0)
         return page
@@ -462,7 +472,7 @@ cdef class PageAllocator:
         cdef cnp.ndarray indptr = _new_int32(m + 1)
         cdef cnp.ndarray follows = self._as_after_array(after, m)
         cdef int64_t total
-        cdef Py_ssize_t bad = 0, i
+        cdef Py_ssize_t bad = 0
         cdef int32_t available
         cdef bint ok
         if cnp.PyArray_TYPE(wanted) == cnp.NPY_INT32:
@@ -477,16 +487,12 @@ cdef class PageAllocator:
             raise OutOfPagesError(total, self._num_free)
         cdef cnp.ndarray out = _new_int32(total)
         cdef int32_t* pages = <int32_t*>_data(out)
-        cdef const int32_t* offsets = <int32_t*>_data(indptr)
+        cdef int32_t* offsets = <int32_t*>_data(indptr)
         cdef const int64_t* prev = NULL
         if follows is not None:
             prev = <int64_t*>_data(follows)
         with cython.critical_section(self):
-            ok = total <= self._num_free  # checked first: the batch is all-or-nothing
-            if ok:
-                for i in range(m):
-                    self._take(pages + offsets[i], offsets[i + 1] - offsets[i],
-                               prev[i] if prev != NULL else -1)
+            ok = self._take(pages, offsets, m, prev)
             available = self._num_free
         if not ok:
             raise OutOfPagesError(total, available)
@@ -636,9 +642,12 @@ cdef class PageAllocator:
         k += self._bottom
         return k - self._num_pages if k >= self._num_pages else k
 
-    cdef bint _take(self, int32_t* out, int64_t n, int64_t prev) noexcept nogil:
-        """Move ``n`` free pages to ``out`` with refcount 1, each the page after ``prev`` (then after
-        the one before it) if that page is free, else the top of the stack; or do nothing."""
+    cdef bint _take(self, int32_t* out, const int32_t* offsets, Py_ssize_t m,
+                    const int64_t* after) noexcept nogil:
+        """Move ``offsets[m]`` free pages to ``out`` with refcount 1, or do nothing. Request ``r``
+        gets ``out[offsets[r]:offsets[r + 1]]``: each page the page after the one before it (the
+        first: after ``after[r]``; none if ``after`` is NULL or -1) if that page is free, else the
+        top of the stack. One loop for every request: a call per request cost as much as the pages."""
         # Locals, not self->fields: the stores below go through int32 pointers that C must assume
         # may alias the fields, which would force a reload of every field on every page.
         cdef int32_t* stack = self._stack
@@ -647,30 +656,35 @@ cdef class PageAllocator:
         cdef int64_t num_pages = self._num_pages
         cdef int64_t bottom = self._bottom
         cdef int64_t top = bottom + self._num_free - 1  # may pass the ring's end: wrapped on use
-        cdef int64_t i
+        cdef int64_t prev, hole
+        cdef Py_ssize_t r, i
         cdef int32_t page, moved
-        if n > self._num_free:
+        if offsets[m] > self._num_free:
             return False
-        for i in range(n):
-            if 0 <= prev < num_pages - 1 and _bit_is_set(bitmap, prev + 1):
-                # Out of the middle: the bottom page (the last one due) takes its place, so the
-                # pages due next keep their order.
-                page = <int32_t>(prev + 1)
-                moved = stack[bottom]
-                stack[word[page]] = moved
-                word[moved] = word[page]
-                bottom += 1
-                if bottom == num_pages:
-                    bottom = 0
-            else:
-                page = stack[top - num_pages if top >= num_pages else top]
-                top -= 1
-            out[i] = page
-            _clear_bit(bitmap, page)
-            word[page] = 1  # its refcount from now on
-            prev = page
+        for r in range(m):
+            prev = after[r] if after != NULL else -1
+            for i in range(offsets[r], offsets[r + 1]):
+                if 0 <= prev < num_pages - 1 and _bit_is_set(bitmap, prev + 1):
+                    # Out of the middle: the bottom page (the last one due) fills the hole, so the
+                    # pages due next keep their order (filled from the top, the page due next
+                    # would sink: a fresh pool's next far-apart start, a freed run's first page).
+                    page = <int32_t>(prev + 1)
+                    hole = -1 - word[page]
+                    moved = stack[bottom]
+                    stack[hole] = moved
+                    word[moved] = _free_word(hole)
+                    bottom += 1
+                    if bottom == num_pages:
+                        bottom = 0
+                else:
+                    page = stack[top - num_pages if top >= num_pages else top]
+                    top -= 1
+                out[i] = page
+                _clear_bit(bitmap, page)
+                word[page] = 1  # its refcount from now on
+                prev = page
         self._bottom = bottom
-        self._num_free -= <int32_t>n
+        self._num_free -= offsets[m]
         return True
 
     cdef Status _incref(self, const index_t* pages, Py_ssize_t n, Py_ssize_t* bad) noexcept nogil:
@@ -682,7 +696,7 @@ cdef class PageAllocator:
             page = pages[i]
             if page < 0 or page >= self._num_pages:
                 status = BAD_ID
-            elif _bit_is_set(self._bitmap, page):
+            elif refcount[page] <= 0:  # free
                 status = BAD_STATE
             elif refcount[page] == INT32_MAX:
                 status = OVERFLOW
@@ -708,8 +722,8 @@ cdef class PageAllocator:
         cdef index_t page
         for i in range(n):
             page = pages[i]
-            # A free page, or one this batch already took to 0 (its bit is still clear).
-            if page < 0 or page >= num_pages or _bit_is_set(bitmap, page) or word[page] == 0:
+            # A free page (< 0), or one this batch already took to 0.
+            if page < 0 or page >= num_pages or word[page] <= 0:
                 for j in range(i):
                     word[pages[j]] += 1
                 bad[0] = i
@@ -722,7 +736,7 @@ cdef class PageAllocator:
             if slot >= num_pages:
                 slot -= num_pages
             stack[slot] = freed[j]
-            word[freed[j]] = <int32_t>slot
+            word[freed[j]] = _free_word(slot)
             _set_bit(bitmap, freed[j])
             slot += 1
         self._num_free += <int32_t>k
@@ -739,8 +753,7 @@ cdef class PageAllocator:
             if bits:
                 (<cnp.npy_bool*>out)[i] = _bit_is_set(self._bitmap, pages[i])
             else:
-                (<int32_t*>out)[i] = (0 if _bit_is_set(self._bitmap, pages[i])
-                                      else self._count_or_index[pages[i]])
+                (<int32_t*>out)[i] = max(self._count_or_index[pages[i]], 0)
         return OK
 
     cdef int64_t _audit(self, uint64_t* seen, int64_t* where) noexcept nogil:
@@ -761,7 +774,7 @@ cdef class PageAllocator:
             _set_bit(seen, page)
             if not _bit_is_set(self._bitmap, page):
                 return 4
-            if self._count_or_index[page] != self._at(i):
+            if self._count_or_index[page] != _free_word(self._at(i)):
                 return 9
         for page in range(self._num_pages):
             where[0] = page

@@ -529,23 +529,43 @@ class KVCacheManager:
         """Allocate ``count`` pages, evicting cached pages (never those in ``keep``) if needed.
 
         ``after``: the page the new ones follow (one run), or an int32 array of one such page per
-        page taken (a run each); -1 for none. Raises before changing anything when even eviction
-        cannot supply them.
+        page taken (a run each); -1 for none. A cached page that no sequence uses and that a run
+        would grow onto is evicted for it even while other pages are free (as a free list that
+        holds cached pages hands them out); more are evicted, in runs, only if pages are short.
+        Raises before changing anything when even eviction cannot supply them.
         """
         if count == 0:
             return np.empty(0, np.int32)
         shortfall = count - self.allocator.num_free
-        if shortfall > 0:
+        grow_onto = self._cached_successors(after, count, keep)
+        if shortfall > 0 or grow_onto:
             obtainable = self._obtainable(keep)
             if count > obtainable:
                 raise OutOfPagesError(count, obtainable)
-            victims = self.prefix.evict(shortfall, keep=keep)
+            victims = self.prefix.evict(max(shortfall, len(grow_onto)), keep=keep, prefer=grow_onto)
             if self.on_evict is not None:
                 self.on_evict([key for key, _ in victims], np.array([p for _, p in victims], np.int32))
             self.allocator.decref([page for _, page in victims])
         if isinstance(after, np.ndarray):
             return self.allocator.allocate_many(np.ones(count, np.int32), after=after)[0]
         return self.allocator.allocate(count, after=after)
+
+    def _cached_successors(self, after, count, keep):
+        """The cached, unused pages (outside ``keep``) that ``allocate(count, after=after)`` would
+        grow onto if they were free: for one run, those among its next pages up to the first page
+        that is neither free nor evictable; for one page per value of an array, each next page."""
+        if self.prefix is None or not self.prefix.evictable:
+            return []
+        evictable = self.prefix.evictable
+        if isinstance(after, np.ndarray):
+            return [page for page in (after[after >= 0] + 1).tolist() if page in evictable and page not in keep]
+        pages = []
+        for page in range(after + 1, min(after + 1 + count, self.allocator.num_pages)) if after >= 0 else ():
+            if page in evictable and page not in keep:
+                pages.append(page)
+            elif not self.allocator.is_free([page])[0]:
+                break
+        return pages
 
     def _pages_for_append(self, row, num_tokens):
         """(pages to take, the shared partial last page to copy first or None) for an append."""

@@ -81,17 +81,37 @@ class PrefixCache:
         self.key_of[page] = key
         return True
 
-    def evict(self, count, *, keep=()):
-        """Forget the ``count`` least recently released evictable pages, except those in ``keep``.
+    def evict(self, count, *, keep=(), prefer=()):
+        """Forget ``count`` evictable pages, except those in ``keep``, choosing runs of pages.
+
+        First the pages of ``prefer`` (in its order: the pages right after sequences about to grow,
+        so that they grow onto them); then the least recently released page, followed by the pages
+        after it while they are evictable, listed last page first (freed in this order, the run's
+        first page is handed out first and the rest follow it); and so on.
 
         Returns (key, page) of each evicted page (the caller drops the cache's reference on each).
         """
-        victims = []
-        for page in self.evictable:
+        victims, chosen = [], set()
+
+        def evictable(page):
+            return page in self.evictable and page not in keep and page not in chosen
+
+        for page in prefer:
             if len(victims) == count:
                 break
-            if page not in keep:
+            if evictable(page):
                 victims.append(page)
+                chosen.add(page)
+        seeds = iter(list(self.evictable))
+        while len(victims) < count:
+            seed = next((page for page in seeds if evictable(page)), None)
+            if seed is None:
+                break
+            run = [seed]
+            while len(victims) + len(run) < count and evictable(run[-1] + 1) and run[-1] + 1 not in run:
+                run.append(run[-1] + 1)
+            victims.extend(reversed(run))
+            chosen.update(run)
         evicted = []
         for page in victims:
             del self.evictable[page]

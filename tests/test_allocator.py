@@ -473,7 +473,7 @@ def test_construction_rejects_bad_sizes(num_pages, error):
 # ---------------------------------------------------------------- the audit can fail
 
 @pytest.mark.parametrize("corruption, message", [
-    (lambda a, used, free: a._unsafe_set_refcount(free, -1), "not where the stack's index says"),
+    (lambda a, used, free: a._unsafe_set_refcount(free, 5), "not where the stack's index says"),
     (lambda a, used, free: a._unsafe_set_refcount(used, 0), "refcount below 1"),
 ])
 def test_check_detects_corruption(busy, corruption, message):

@@ -65,14 +65,36 @@ class ReferenceKVCacheManager:
 
     def _take(self, count, keep, after=-1):
         """``count`` pages after evicting what is needed; ``after``: the page they follow, or a
-        list of one such page per page taken (-1: none)."""
+        list of one such page per page taken (-1: none). Cached pages a run would grow onto are
+        evicted for it first, even while other pages are free; then, if short, runs from the least
+        recently released page, each run last page first."""
         if count == 0:
             return []
-        if count > self.allocator.num_free:
-            evictable = [p for p in self.lru if p not in keep]
+        evictable = [p for p in self.lru if p not in keep]
+        if isinstance(after, list):
+            grow_onto = [a + 1 for a in after if a >= 0 and a + 1 in evictable]
+        else:
+            grow_onto = []
+            for page in range(after + 1, after + 1 + count) if after >= 0 else ():
+                if page in evictable:
+                    grow_onto.append(page)
+                elif page not in self.allocator.free:
+                    break
+        needed = max(count - self.allocator.num_free, len(grow_onto))
+        if needed > 0:
             if count > self.allocator.num_free + len(evictable):
                 raise OutOfPagesError(count, self.allocator.num_free + len(evictable))
-            victims = evictable[:count - self.allocator.num_free]
+            victims = list(dict.fromkeys(grow_onto))[:needed]
+            for seed in evictable:
+                if len(victims) == needed:
+                    break
+                if seed in victims:
+                    continue
+                run = [seed]
+                while len(victims) + len(run) < needed and run[-1] + 1 in evictable \
+                        and run[-1] + 1 not in victims:
+                    run.append(run[-1] + 1)
+                victims += run[::-1]
             for page in victims:
                 self.lru.remove(page)
                 del self.page_of[self.key_of.pop(page)]
