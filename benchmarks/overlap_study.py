@@ -14,7 +14,7 @@ which of the two goes first alternating).
 
 If memory and work overlapped perfectly, the kernel would read min(roof, its L2 speed); the
 table puts what it reads beside that. The attention kernels' ceiling is this machine's, not only
-their own: see the README, "Decode from memory against the roof".
+their own: see docs/performance.md, "Decode from memory against the roof".
 """
 
 import argparse

@@ -3,11 +3,11 @@
 The tiles (kernels/_score_tiles.py: query x key; kernels/_value_tiles.py: probabilities x
 values) are the two inner loops of the page loops, written as IR because Numba's vectoriser never
 emits what they need: with bfloat16 pages the attention loops are bound by float32 multiply-adds,
-not by memory (README, "Decode attention": each K and V element feeds one FMA per query head of
-its GQA group). AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16 pairs into 16 float32 sums per
-instruction, twice the products of a float32 FMA with no widening instructions; on other CPUs,
-float32 FMAs on rows widened as they are loaded. Each tile comes in one *storage*: ``PAIRED``
-(bfloat16 rows by vdpbf16ps), or float32, float16 or bfloat16 rows by FMAs.
+not by memory (docs/performance.md, "Decode attention": each K and V element feeds one FMA per
+query head of its GQA group). AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16 pairs into 16
+float32 sums per instruction, twice the products of a float32 FMA with no widening instructions; on
+other CPUs, float32 FMAs on rows widened as they are loaded. Each tile comes in one *storage*:
+``PAIRED`` (bfloat16 rows by vdpbf16ps), or float32, float16 or bfloat16 rows by FMAs.
 
 Rows are taken 32 elements (one 512-bit register) at a time, and a last 16 zero-extended when
 head_dim % 32 == 16 (80, 112): head_dim must be a multiple of 16.

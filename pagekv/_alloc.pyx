@@ -665,17 +665,20 @@ cdef class PageAllocator:
             prev = after[r] if after != NULL else -1
             for i in range(offsets[r], offsets[r + 1]):
                 if 0 <= prev < num_pages - 1 and _bit_is_set(bitmap, prev + 1):
-                    # Out of the middle: the bottom page (the last one due) fills the hole, so the
-                    # pages due next keep their order (filled from the top, the page due next
-                    # would sink: a fresh pool's next far-apart start, a freed run's first page).
                     page = <int32_t>(prev + 1)
                     hole = -1 - word[page]
-                    moved = stack[bottom]
-                    stack[hole] = moved
-                    word[moved] = _free_word(hole)
-                    bottom += 1
-                    if bottom == num_pages:
-                        bottom = 0
+                    if hole == (top - num_pages if top >= num_pages else top):
+                        top -= 1  # on top already (a freed run taken again in order): a pop
+                    else:
+                        # Out of the middle: the bottom page (the last one due) fills the hole,
+                        # so the pages due next keep their order (filled from the top, the page
+                        # due next would sink: a fresh pool's next far-apart start).
+                        moved = stack[bottom]
+                        stack[hole] = moved
+                        word[moved] = _free_word(hole)
+                        bottom += 1
+                        if bottom == num_pages:
+                            bottom = 0
                 else:
                     page = stack[top - num_pages if top >= num_pages else top]
                     top -= 1

@@ -159,8 +159,8 @@ def test_tables_stay_in_physical_runs_under_churn(caching, at_least):
     """Sequences decode side by side, finish and are replaced by new prompts: each sequence grows
     onto the page after its last one, so its table stays in physical runs (attention then reads
     consecutive memory). The free list without runs kept 5% of these steps consecutive here (prefix
-    caching off) and 0% (on). With caching on the pool runs full of cached pages, a new prompt
-    lands wherever eviction frees pages, often right after a live sequence: ~60% stay consecutive."""
+    caching off) and 0% (on). With caching on the pool runs full of cached pages and a new prompt
+    lands wherever eviction frees pages, often right after a live sequence: fewer stay consecutive."""
     rng = np.random.default_rng(0)
     live, page_size = 8, 4
     m = KVCacheManager(num_pages=8 * 50 + 8, page_size=page_size, max_seqs=live, max_pages_per_seq=50,

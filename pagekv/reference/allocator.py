@@ -2,9 +2,9 @@
 
 Same contract and the same page-choice policy (a free stack that a fresh pool fills in bit-reversed
 order; each page taken is the page after the previous one of its request if that is free, else the
-top, a page out of the middle leaving its place to the bottom one; pages freed by one decref are
-pushed in the order they reached refcount 0), so a test can demand that both return identical page
-ids, not merely equally many.
+top, a page out of the middle (not the top) leaving its place to the bottom one; pages freed by one
+decref are pushed in the order they reached refcount 0), so a test can demand that both return
+identical page ids, not merely equally many.
 """
 
 import operator
@@ -84,9 +84,12 @@ class ReferencePageAllocator:
             if prev >= 0 and prev + 1 in self.free:
                 page = prev + 1
                 index = self.free_stack.index(page)  # from the bottom
-                bottom = self.free_stack.pop(0)  # the last page due fills its place
-                if index:
-                    self.free_stack[index - 1] = bottom
+                if index == len(self.free_stack) - 1:  # on top: a pop
+                    self.free_stack.pop()
+                else:
+                    bottom = self.free_stack.pop(0)  # the last page due fills its place
+                    if index:
+                        self.free_stack[index - 1] = bottom
             else:
                 page = self.free_stack.pop()
             self.free.remove(page)
