@@ -559,11 +559,14 @@ class KVCacheManager:
         evictable = self.prefix.evictable
         if isinstance(after, np.ndarray):
             return [page for page in (after[after >= 0] + 1).tolist() if page in evictable and page not in keep]
+        if after < 0:
+            return []
+        ahead = np.arange(after + 1, min(after + 1 + count, self.allocator.num_pages))
         pages = []
-        for page in range(after + 1, min(after + 1 + count, self.allocator.num_pages)) if after >= 0 else ():
+        for page, free in zip(ahead.tolist(), self.allocator.is_free(ahead).tolist()):
             if page in evictable and page not in keep:
                 pages.append(page)
-            elif not self.allocator.is_free([page])[0]:
+            elif not free:
                 break
         return pages
 

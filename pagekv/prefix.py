@@ -102,7 +102,7 @@ class PrefixCache:
             if evictable(page):
                 victims.append(page)
                 chosen.add(page)
-        seeds = iter(list(self.evictable))
+        seeds = iter(self.evictable)  # not changed until the victims are chosen
         while len(victims) < count:
             seed = next((page for page in seeds if evictable(page)), None)
             if seed is None:
