@@ -10,7 +10,7 @@ without trusting the stack, and the refcounts are a flat int32 array: no Python 
 
 Runs: an allocation grows each request onto the page after its previous one whenever that page is
 free (the bitmap says so in one test; each free page's place in the stack, kept in the word that
-holds a used page's refcount, takes it out of the middle in O(1), the bottom page filling the hole),
+holds a used page's refcount, takes it out of the middle in O(1), the bottom page filling a hole),
 and a fresh pool's stack starts requests far apart (bit-reversed order), so sequences growing side
 by side do not take each other's next pages. Attention reads a sequence's pages in table order, and
 physically consecutive pages spare the memory system a jump per page (README, "Page runs"). 8.125
@@ -79,6 +79,11 @@ cdef inline uint32_t _reverse_bits(uint32_t x) noexcept nogil:
     return (x >> 16) | (x << 16)
 
 
+cdef inline int32_t _free_word(int64_t index) noexcept nogil:
+    """The word of a free page at ``index`` in the stack: -1 - index, never a refcount (>= 0)."""
+    return <int32_t>(-1 - index)
+
+
 cdef void _fill_spread(int32_t* stack, int32_t* word, int64_t n) noexcept nogil:
     """Fill a fresh stack so that it pops in bit-reversed order (0, n/2, n/4, 3n/4, ... for n a power
     of two; other sizes skip the reversed values >= n), recording each page's index in its word."""
@@ -92,11 +97,6 @@ cdef void _fill_spread(int32_t* stack, int32_t* word, int64_t n) noexcept nogil:
             stack[k] = <int32_t>page
             word[page] = _free_word(k)
             k -= 1
-
-
-cdef inline int32_t _free_word(int64_t index) noexcept nogil:
-    """The word of a free page at ``index`` in the stack: -1 - index, never a refcount (>= 0)."""
-    return <int32_t>(-1 - index)
 
 
 cdef inline cnp.ndarray _new_int32(Py_ssize_t n):
@@ -174,11 +174,11 @@ cdef class PageAllocator:
     Which pages an allocation takes: a request's first page is the page after ``after`` if that one
     is free, else the top of the stack (the most recently freed page); each further page is the page
     after the one before it if free, else the top again. So a sequence that passes its last page as
-    ``after`` keeps growing in one physical run while the pages after it are free; a page taken
-    from the middle of the stack leaves its place to the bottom page, the last one due, so the
-    order of the pages due next is kept. A fresh stack
-    holds the pages in bit-reversed order (0, num_pages/2, num_pages/4, 3*num_pages/4, ... for a power
-    of two): separate requests start far apart and each has room to grow. Pages freed by one
+    ``after`` keeps growing in one physical run while the pages after it are free. A page taken
+    that is on top is popped; one taken from the middle of the stack leaves its place to the bottom
+    page, the last one due, so the order of the pages due next is kept. A fresh stack holds the
+    pages in bit-reversed order (0, num_pages/2, num_pages/4, 3*num_pages/4, ... for a power of
+    two): separate requests start far apart and each has room to grow. Pages freed by one
     :meth:`decref` are pushed in order, so freeing a run last page first hands it out again first
     page first.
 
@@ -188,8 +188,9 @@ cdef class PageAllocator:
       or used (bit 0, refcount >= 1, not on the stack);
     - ``num_free == stack size == popcount(bitmap)``.
 
-    Every operation costs O(1) per page; only :meth:`check` scans the pool. Every operation is all-or-nothing: one that raises leaves
-    the pool exactly as it was. Safe to share between Python threads.
+    Every operation costs O(1) per page; only :meth:`check` scans the pool. Every operation is
+    all-or-nothing: one that raises leaves the pool exactly as it was. Safe to share between Python
+    threads.
 
     Examples
     --------
@@ -267,7 +268,7 @@ cdef class PageAllocator:
 
     @property
     def nbytes(self):
-        """int : Bytes of bookkeeping: free stack, refcounts or stack indices, bitmap (~8.125 per page)."""
+        """int : Bytes of bookkeeping: free stack, refcounts or stack indices, bitmap (~8.125/page)."""
         return 2 * self._num_pages * sizeof(int32_t) + self._num_words * sizeof(uint64_t)
 
     def can_allocate(self, n):
