@@ -181,8 +181,10 @@ def test_a_swapped_sequence_outlives_everything_else_and_still_finishes():
     # decode step, so the newer one is swapped out; it is the last one left when the other ends.
     model = ModelShape("toy", 1, 1, 1, 1.0)
     cost = CostModel(overhead_s=1.0, bandwidth_bytes_s=1e30, flops=1.0)  # recompute is dear
-    config = SimConfig(model=model, memory_bytes=3 * 80, page_size=10, dtype="float32",
-                       max_new_tokens=40, cost=cost)
+    # A host tier of 8 pages: the default 64 GiB would be 859 million 80-byte pages (an allocator
+    # of 7 GB that took 2.5 minutes to set up).
+    config = SimConfig(model=model, memory_bytes=3 * 80, swap_memory_bytes=8 * 80, page_size=10,
+                       dtype="float32", max_new_tokens=40, cost=cost)
     result = simulate([Request(0.0, 10, 3, (1,)), Request(0.0, 10, 3, (2,))], config, "paged+swap")
     assert (result.completed, result.swap_outs) == (2, 1)  # and simulate() found no tier page leaked
     assert result.swap_in_bytes == result.swap_out_bytes == 80

@@ -59,6 +59,8 @@ def test_readme_examples_run():
 
 
 def test_package_type_checks(tmp_path):
-    result = subprocess.run([sys.executable, "-I", "-m", "mypy", "-p", "pagekv"],
-                            capture_output=True, text=True, cwd=tmp_path)
+    # The repository's mypy settings (pyproject.toml), read from an empty working directory.
+    config = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    result = subprocess.run([sys.executable, "-I", "-m", "mypy", "--config-file", str(config),
+                             "-p", "pagekv"], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
