@@ -17,11 +17,13 @@ if not _os.environ.get("NUMBA_CACHE_DIR"):
     _drop_stale_cache(_pathlib.Path(__file__).parent, _pathlib.Path(__file__).parent / "__pycache__")
 
 
-def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16):
+def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, processes=None):
     """Compile (or load from Numba's cache) the kernels for the given storage dtypes.
 
     Runs each public operation once on a tiny problem, so the first real call does not pay for
-    compilation. Returns the seconds it took.
+    compilation. Numba compiles on one core, one kernel after another; when the kernels are not in
+    the on-disk cache yet, fresh interpreters compile them side by side (each writes the cache) and
+    this process then loads them all. Returns the seconds it took.
 
     Parameters
     ----------
@@ -29,33 +31,21 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16):
         KV storage kinds to prepare; each has its own decode and prefill kernels (its own tiles).
     head_dim, page_size : int
         Only the tiny problem's shape: the kernels are compiled for any shape.
+    processes : int, optional
+        How many kernels compile at once on a cold cache: default one per CPU this process may
+        run on (at most one per kernel); 1 compiles here, one after the other.
     """
     import time
 
-    import numpy as np
+    from pagekv.kernels import _warm
 
-    from pagekv import attention
-
+    if processes is not None and (not isinstance(processes, int) or processes < 1):
+        raise ValueError(f"expected processes None or an int >= 1, got {processes!r}")
     start = time.perf_counter()
-    storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-    rng = np.random.default_rng(0)
-    for kind in dtypes:
-        cache = rng.standard_normal((3, 2, page_size, head_dim)).astype(np.float32)
-        if kind == "bfloat16":
-            cache = (cache.view(np.uint32) >> 16).astype(np.uint16)
-        else:
-            cache = cache.astype(storage[kind])
-        q = np.ones((2, 4, head_dim), storage[kind])  # a 16-bit query compiles its conversions too
-        table = np.array([[0, 1], [2, 0]], np.int32)
-        lens = np.array([page_size + 1, 3], np.int32)
-        attention.paged_decode_attention(q, cache, cache, table, lens)
-        one_head = np.ascontiguousarray(cache[:, :1])  # a GQA group of 4: the AMX decode, where present
-        attention.paged_decode_attention(q, one_head, one_head, table, lens)
-        attention.paged_prefill_attention(q, cache, cache, table, lens, np.array([0, 1, 2], np.int32))
-        attention.write_kv(cache[0, :, :2].transpose(1, 0, 2).copy(), cache[1, :, :2].transpose(1, 0, 2).copy(),
-                           cache, cache.copy(), np.array([5, -1]))
-        attention.copy_pages(cache, cache.copy(), [0], [2])
-        attention.gather_kv(cache, cache, table, lens)
-    o = np.zeros((1, 1, head_dim), np.float32)
-    attention.merge_states(o, np.zeros((1, 1), np.float32), o, np.zeros((1, 1), np.float32))
+    tasks = _warm.tasks(dtypes)
+    workers = min(len(tasks), _warm.usable_cpus() if processes is None else processes)
+    if workers > 1 and not _warm.compiled(dtypes, head_dim, page_size):
+        _warm.compile_in_subprocesses(tasks, workers, head_dim, page_size)
+    for op, kind in tasks:  # loads what the subprocesses compiled; compiles whatever they did not
+        _warm.run(op, kind, head_dim, page_size)
     return time.perf_counter() - start

@@ -1,0 +1,56 @@
+"""warmup(): its arguments, the order of its work, its reading of Numba's cache index, and the
+interpreters that compile into that cache side by side."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagekv.kernels import _warm, warmup
+
+_COMPILED_IN_EMPTY_CACHE = """
+from pagekv.kernels import _warm
+print(_warm.compiled(("float32", "bfloat16"), 128, 16))
+"""
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dtypes=("int8",)), "expected dtypes among float32, float16, bfloat16, got 'int8'"),
+    (dict(processes=0), "expected processes None or an int >= 1, got 0"),
+    (dict(processes=1.5), "expected processes None or an int >= 1, got 1.5"),
+])
+def test_bad_arguments_are_refused_before_any_work(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        warmup(**kwargs)
+
+
+def test_the_long_compiles_go_first_and_each_dtype_once():
+    assert _warm.tasks(("bfloat16", "float32", "bfloat16")) == [
+        ("decode", "bfloat16"), ("decode", "float32"), ("prefill", "bfloat16"),
+        ("prefill", "float32"), ("ops", "bfloat16"), ("ops", "float32")]
+
+
+def test_an_empty_cache_reads_as_not_compiled(tmp_path):
+    # A fresh interpreter with its own empty cache: nothing compiled, and asking compiles nothing.
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", _COMPILED_IN_EMPTY_CACHE], capture_output=True,
+                         text=True, check=True, cwd=tmp_path, env=env).stdout
+    assert out.strip() == "False"
+    assert not list((tmp_path / "cache").rglob("*.nbi"))
+
+
+def test_a_warm_cache_reads_as_compiled():
+    warmup(dtypes=("float32",), head_dim=64, page_size=2, processes=1)
+    assert _warm.compiled(("float32",), 64, 2)
+
+
+def test_interpreters_compile_into_the_cache(tmp_path, monkeypatch):
+    # The light kernels (cache operations) in one interpreter with an empty cache of its own: its
+    # machine code lands in that cache, which this process would then load.
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    _warm.compile_in_subprocesses([("ops", "float32")], 1, 64, 2)
+    written = {path.name.split("-")[0] for path in tmp_path.rglob("*.nbi")}
+    assert {"cache_ops.write_kv", "cache_ops.copy_pages", "cache_ops.gather_kv",
+            "cache_ops.merge_states"} <= written
+
