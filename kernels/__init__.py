@@ -27,7 +27,7 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, proces
 
     Parameters
     ----------
-    dtypes : tuple of {"float32", "float16", "bfloat16"}
+    dtypes : str or tuple of {"float32", "float16", "bfloat16"}
         KV storage kinds to prepare; each has its own decode and prefill kernels (its own tiles).
     head_dim, page_size : int
         Only the tiny problem's shape: the kernels are compiled for any shape.
@@ -44,7 +44,7 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, proces
     start = time.perf_counter()
     tasks = _warm.tasks(dtypes)
     workers = min(len(tasks), _warm.usable_cpus() if processes is None else processes)
-    if workers > 1 and not _warm.compiled(dtypes, head_dim, page_size):
+    if workers > 1 and not _warm.compiled({dtype for _, dtype in tasks}, head_dim, page_size):
         _warm.compile_in_subprocesses(tasks, workers, head_dim, page_size)
     for op, kind in tasks:  # loads what the subprocesses compiled; compiles whatever they did not
         _warm.run(op, kind, head_dim, page_size)

@@ -22,7 +22,10 @@ OPERATIONS = ("decode", "prefill", "ops")
 
 
 def tasks(dtypes):
-    """(operation, dtype) pairs for ``dtypes``, the long compiles (decode, prefill) first."""
+    """(operation, dtype) pairs for ``dtypes`` (one name or several), the long compiles (decode,
+    prefill) first."""
+    if isinstance(dtypes, str):
+        dtypes = (dtypes,)
     for dtype in dtypes:
         if dtype not in DTYPES:
             raise ValueError(f"expected dtypes among {', '.join(DTYPES)}, got {dtype!r}")

@@ -29,6 +29,7 @@ def test_the_long_compiles_go_first_and_each_dtype_once():
     assert _warm.tasks(("bfloat16", "float32", "bfloat16")) == [
         ("decode", "bfloat16"), ("decode", "float32"), ("prefill", "bfloat16"),
         ("prefill", "float32"), ("ops", "bfloat16"), ("ops", "float32")]
+    assert _warm.tasks("float16") == [("decode", "float16"), ("prefill", "float16"), ("ops", "float16")]
 
 
 def test_an_empty_cache_reads_as_not_compiled(tmp_path):
