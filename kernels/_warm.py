@@ -74,26 +74,37 @@ def run(op, dtype, head_dim, page_size):
 
 
 def compiled(dtypes, head_dim, page_size):
-    """Whether Numba's on-disk cache holds, for this CPU, the decode and prefill kernels that
-    ``dtypes`` take. Read from Numba's cache index (its internals): anything unexpected answers
-    True, and warmup compiles in this process as it did before interpreters shared the work."""
+    """Whether Numba's on-disk cache holds, for this CPU, a decode and a prefill kernel for each
+    of ``dtypes`` (the storage's own, or AMX's where it serves bfloat16). Read from Numba's cache
+    index (its internals): anything unexpected answers True, and warmup then compiles in this
+    process as it did before interpreters shared the work."""
     try:
         from pagekv import _arrays, attention
+        from pagekv.kernels import amx_attention
         from pagekv.kernels import attention as kernels
         from pagekv.kernels.page_loops import kernel_kind
 
         dot_products = attention._bf16_products(True)
         for dtype in dtypes:
-            kind = kernel_kind(tiny_cache(dtype, head_dim, page_size), _arrays.KV_FORMAT[dtype],
-                               dot_products)
-            for dispatcher in (kernels._DECODE[kind], kernels._PREFILL[kind]):
-                magic = dispatcher.targetctx.codegen().magic_tuple()
-                index = dispatcher._cache._cache_file._load_index()
-                if not any(key[1] == magic for key in index):
-                    return False
+            cache, kv_format = tiny_cache(dtype, head_dim, page_size), _arrays.KV_FORMAT[dtype]
+            kind = kernel_kind(cache, kv_format, dot_products)
+            amx = amx_attention.applies(cache, kv_format, dot_products)
+            decode = [kernels._DECODE[kind]] + ([amx_attention.decode] if amx else [])
+            prefill = [kernels._PREFILL[kind]] + ([amx_attention.prefill] if amx else [])
+            if not (any(map(_in_cache, decode)) and any(map(_in_cache, prefill))):
+                return False
         return True
     except Exception:  # noqa: BLE001 -- a Numba without these internals: compile here, as before
         return True
+
+
+def _in_cache(dispatcher):
+    """Whether ``dispatcher``'s on-disk cache index lists machine code for this CPU and this very
+    function: a key is (signature, CPU, (bytecode hash, closure hash)), and the kernels of every
+    storage kind share one index file (one closure, other cells)."""
+    cache = dispatcher._cache
+    wanted = cache._index_key(None, dispatcher.targetctx.codegen())[1:]
+    return any(key[1:] == wanted for key in cache._cache_file._load_index())
 
 
 def compile_in_subprocesses(task_list, workers, head_dim, page_size):

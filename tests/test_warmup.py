@@ -55,3 +55,16 @@ def test_interpreters_compile_into_the_cache(tmp_path, monkeypatch):
     assert {"cache_ops.write_kv", "cache_ops.copy_pages", "cache_ops.gather_kv",
             "cache_ops.merge_states"} <= written
 
+
+
+def test_one_kinds_kernel_in_the_index_does_not_count_for_another(monkeypatch):
+    # The decode kernels of every storage kind are one closure with other cells, so they share one
+    # index file: only an entry with this kernel's own hashes counts.
+    from pagekv.kernels import attention as kernels
+
+    float32, bfloat16 = kernels._DECODE["float32"], kernels._DECODE["bfloat16"]
+    entry = {float32._cache._index_key(None, float32.targetctx.codegen()): "float32 decode.nbc"}
+    for dispatcher in (float32, bfloat16):
+        monkeypatch.setattr(dispatcher._cache._cache_file, "_load_index", lambda: entry)
+    assert _warm._in_cache(float32)
+    assert not _warm._in_cache(bfloat16)
