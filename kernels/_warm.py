@@ -2,8 +2,8 @@
 fresh interpreters that compile the kernels side by side when Numba's on-disk cache lacks them.
 
 Numba compiles one kernel at a time on one core, and the kernels are independent: a cold
-``warmup()`` of float32 and bfloat16 took 144-161 s in one process on the 2-vCPU Zen 3 VM, and
-93-111 s with two interpreters compiling at once (docs/performance.md, "Compile time"). Each
+``warmup()`` of float32 and bfloat16 took 127-161 s in one process on the 2-vCPU Zen 3 VM, and
+67-111 s with two interpreters compiling at once (docs/performance.md, "Compile time"). Each
 interpreter writes Numba's cache; the caller then loads every kernel from it. Fresh interpreters,
 not ``multiprocessing``: its spawned workers re-run the caller's main module, which a script
 without an ``if __name__ == "__main__"`` guard cannot survive.
