@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-DTYPES = ("float32", "float16", "bfloat16")
+from pagekv._arrays import KV_FORMAT
+
+DTYPES = tuple(KV_FORMAT)  # the storage kinds the kernels take
 OPERATIONS = ("decode", "prefill", "ops")
 
 

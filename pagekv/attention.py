@@ -39,7 +39,8 @@ __all__ = [
 ]
 
 MIN_SPLIT_TOKENS = 256  # a split piece of a long sequence covers at least this many tokens
-# How far ahead of its reads a kernel streams K/V into L2 with `prefetch=True` (docs/performance.md: prefetch).
+# How far ahead of its reads a kernel streams K/V into L2 with `prefetch=True` (docs/performance.md:
+# prefetch).
 # It follows how fast the tiles compute, so it is set by their register budget. AVX-512's tiles: 64
 # KiB, as they compute fast enough that 16 KiB arrived late (AMD EPYC Zen 4, S1/S3 bfloat16, page 16:
 # 73-76% of the roof at 16 KiB, 79-81% at 64 KiB, two interleaved runs; float32 alike). AVX2's
@@ -58,8 +59,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # fast_bf16 multiplies in bfloat16 only where the CPU has bfloat16 products (AVX512-BF16, which
 # every CPU with AMX-BF16 has too). Elsewhere the float32 FMA tiles over rows widened as they are
 # loaded are exact and faster than emulated bfloat16 products (AMD EPYC Zen 3, AVX2: with the
-# tiles sized to its registers, S1 bfloat16 decode 42% -> 58% of the roof; docs/performance.md). The tests set
-# it to run the bfloat16 tiles' portable form on any CPU.
+# tiles sized to its registers, S1 bfloat16 decode 42% -> 58% of the roof; docs/performance.md).
+# The tests set it to run the bfloat16 tiles' portable form on any CPU.
 BF16_PRODUCTS = HAS_AVX512_BF16
 
 
@@ -315,8 +316,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         PREFETCH_BYTES ahead of the reads; an int: that many bytes ahead, rounded up to whole
         blocks of one page and KV head; ``False`` or 0: off). The tiles ask for each line again
         PREFETCH_AGAIN_FRACTION of that distance ahead. On by default: it took the decode
-        benchmarks from ~50% to ~85% of the streaming-read bandwidth (docs/performance.md). Results do not
-        depend on it.
+        benchmarks from ~50% to ~85% of the streaming-read bandwidth (docs/performance.md).
+        Results do not depend on it.
     fast_bf16 : bool
         bfloat16 caches with head_dim a multiple of 16 and an even page_size, on CPUs with
         AVX512-BF16: multiply in bfloat16 (``vdpbf16ps``). The query and the softmax

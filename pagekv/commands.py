@@ -236,7 +236,8 @@ def bench(args, model_of=None):
         out = np.empty_like(q)
         run = (lambda: attention.paged_decode_attention(q, k, v, table, lens, plan=plan_, out=out))
         run()
-        # Each decode timed next to a roof: the host's bandwidth drifts between runs (README, Benchmarks).
+        # Each decode timed next to a roof: the host's bandwidth drifts between runs (README,
+        # Benchmarks).
         rounds = [(_timed(lambda: stream_sum(data, threads)), _timed(run)) for _ in range(7)]
         gbs = (k.nbytes + v.nbytes) / np.median([t for _, t in rounds]) / 1e9
         share = np.median([(k.nbytes + v.nbytes) / t / (data.nbytes / r) for r, t in rounds])
