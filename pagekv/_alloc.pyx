@@ -393,8 +393,8 @@ cdef class PageAllocator:
         cdef bint ok
         if k < 1:
             raise ValueError(f"expected n >= 1, got {n!r}")
-        if k > self._num_pages:
-            raise OutOfPagesError(k, self._num_free)
+        if k > self._num_pages:  # the caller's n, not k: k is clamped beyond 64 bits
+            raise OutOfPagesError(operator.index(n), self._num_free)
         cdef cnp.ndarray out = _new_int32(k)
         offsets[0], offsets[1] = 0, <int32_t>k
         with cython.critical_section(self):
@@ -484,8 +484,8 @@ cdef class PageAllocator:
                                 <int32_t*>_data(indptr), &bad)
         if total == -1:
             raise ValueError(f"expected counts >= 0, got {int(wanted[bad])} at index {bad}")
-        if total > self._num_pages:
-            raise OutOfPagesError(total, self._num_free)
+        if total > self._num_pages:  # total saturates there: report the true sum
+            raise OutOfPagesError(sum(wanted.tolist()), self._num_free)
         cdef cnp.ndarray out = _new_int32(total)
         cdef int32_t* pages = <int32_t*>_data(out)
         cdef int32_t* offsets = <int32_t*>_data(indptr)

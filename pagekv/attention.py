@@ -56,6 +56,7 @@ PREFETCH_BYTES = (64 if ACCUMULATORS >= 16 else 16) * 1024
 PREFETCH_AGAIN_FRACTION = 8
 PREFETCH_AGAIN_MIN_BLOCK = 512
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 # fast_bf16 multiplies in bfloat16 only where the CPU has bfloat16 products (AVX512-BF16, which
 # every CPU with AMX-BF16 has too). Elsewhere the float32 FMA tiles over rows widened as they are
 # loaded are exact and faster than emulated bfloat16 products (AMD EPYC Zen 3, AVX2: with the
@@ -94,6 +95,9 @@ def _caches(k_cache, v_cache, *, written=False):
     if k.ndim != 4:
         raise ValueError("expected k_cache of shape [num_pages, num_kv_heads, page_size, head_dim], "
                          f"got {k.ndim}-D shape {k.shape}")
+    if 0 in k.shape[1:]:
+        raise ValueError("expected k_cache with num_kv_heads, page_size and head_dim >= 1, "
+                         f"got shape {k.shape}")
     if v.shape != k.shape or v_kind != kind:
         raise ValueError(f"expected v_cache like k_cache ({kind} {k.shape}), got {v_kind} {v.shape}")
     for name, array in (("k_cache", k), ("v_cache", v)):
@@ -121,6 +125,12 @@ def _positive_int(value, name, *, optional=False) -> int:
     return int(value)
 
 
+def _window(sliding_window) -> int:
+    """A sliding window as an int (0: none). One wider than any int32 length changes nothing, so
+    it is narrowed to that width rather than overflowing the kernels' integers."""
+    return min(_positive_int(sliding_window, "sliding_window", optional=True), _INT32_MAX)
+
+
 def _flag(value, name) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"expected {name} a bool, got {value!r}")
@@ -136,7 +146,7 @@ def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slop
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _real(scale, "scale")
     if not abs(scale) <= _FLOAT32_MAX:  # the kernels take float32: 1e40 would become inf
         raise ValueError(f"expected a finite scale within float32's range, got {scale}")
-    window = _positive_int(sliding_window, "sliding_window", optional=True)
+    window = _window(sliding_window)
     cap = 0.0 if logits_soft_cap is None else _real(logits_soft_cap, "logits_soft_cap")
     if logits_soft_cap is not None and not 0.0 < cap <= _FLOAT32_MAX:
         raise ValueError(f"expected logits_soft_cap None or > 0 within float32's range, "
@@ -144,8 +154,7 @@ def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slop
     if alibi_slopes is None:
         slopes = np.empty(0, np.float32)
     else:
-        array, kind = _arrays.float_storage(alibi_slopes, "alibi_slopes")
-        slopes = np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32)
+        slopes = _float32_values(alibi_slopes, "alibi_slopes")
         if slopes.shape != (num_q_heads,):
             raise ValueError(f"expected alibi_slopes of shape ({num_q_heads},), got {slopes.shape}")
     return np.float32(scale), window, np.float32(cap), slopes
@@ -198,11 +207,12 @@ def _prefetch_blocks(prefetch, cache) -> tuple[int, int]:
 
     True means PREFETCH_BYTES, False or 0 none; a distance rounds up to whole blocks.
     """
-    if isinstance(prefetch, bool):
-        prefetch = PREFETCH_BYTES * prefetch
+    if isinstance(prefetch, (bool, np.bool_)):
+        prefetch = PREFETCH_BYTES * bool(prefetch)
     if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
         raise ValueError(f"expected prefetch a bool or a number of bytes >= 0, got {prefetch!r}")
-    block_bytes = cache.strides[1]
+    block_bytes = cache.shape[2] * cache.shape[3] * cache.itemsize  # not strides: 0 in an empty cache
+    prefetch = min(int(prefetch), cache.nbytes)  # no read lies further ahead than the whole cache
     ahead = -(-int(prefetch) // block_bytes)
     again = -(-int(prefetch) // PREFETCH_AGAIN_FRACTION // block_bytes)
     return ahead, again if again < ahead and block_bytes >= PREFETCH_AGAIN_MIN_BLOCK else 0
@@ -269,9 +279,12 @@ def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
     DecodePlan
     """
     lens = _arrays.int_array(seq_lens, "seq_lens", 1)
+    if lens.size and lens.min() < 0:
+        s = int(lens.argmin())
+        raise ValueError(f"expected seq_lens >= 0, got {lens[s]} for sequence {s}")
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise ValueError(f"expected page_size a positive integer, got {page_size!r}")
-    window = _positive_int(sliding_window, "sliding_window", optional=True)
+    window = _window(sliding_window)
     threads = numba.get_num_threads() if num_threads is None else _positive_int(num_threads, "num_threads")
     num_slots = threads * _slots.SLOTS_PER_THREAD  # claimed by the threads as they come free
     min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
@@ -305,8 +318,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         Each query sees only the last ``sliding_window`` keys (itself included).
     logits_soft_cap : float, optional
         Scores become ``cap * tanh(score / cap)`` (after scaling).
-    alibi_slopes : float32 [num_q_heads], optional
-        Adds ``slope * (key_pos - query_pos)`` to each score.
+    alibi_slopes : float [num_q_heads], optional
+        float32 or float64 (or a list); adds ``slope * (key_pos - query_pos)`` to each score.
     return_lse : bool
         Also return the log-sum-exp of each row's scores (natural log).
     plan : DecodePlan, optional
@@ -555,7 +568,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         raise ValueError(f"expected o_a and o_b of one 3-D shape, got {arrays[0].shape} and {arrays[1].shape}")
     lses = []
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        array = _lse_values(x, name)
+        array = _float32_values(x, name)
         if array.shape != arrays[0].shape[:2]:
             raise ValueError(f"expected {name} of shape {arrays[0].shape[:2]}, got {array.shape}")
         lses.append(array)
@@ -566,10 +579,15 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     return o, lse
 
 
-def _lse_values(x, name):
-    """float32 values of a log-sum-exp array: numpy of any float dtype (float64 too), or a torch
-    CPU tensor of float32, float16 or bfloat16."""
+def _float32_values(x, name):
+    """float32 values of a small per-call array (log-sum-exps, ALiBi slopes), a C-contiguous copy
+    unless it is one already: numpy of any float dtype (float64 too, as NumPy computes slopes) or
+    a list of floats, or a torch CPU tensor of float32, float64, float16 or bfloat16."""
     if _arrays.is_torch(x):
+        import torch  # type: ignore[import-not-found]  # optional: only reached with a tensor
+
+        if x.dtype == torch.float64 and x.device.type == "cpu":
+            return x.detach().numpy().astype(np.float32)
         array, kind = _arrays.float_storage(x, name)
         return np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32)
     array = np.asarray(x)

@@ -360,7 +360,7 @@ def test_allocate_non_integer_n(busy, n):
     assert snapshot(busy) == before
 
 
-@pytest.mark.parametrize("n", [36, 65, 2**40])
+@pytest.mark.parametrize("n", [36, 65, 2**40, 10**30])
 def test_allocate_more_than_free_is_all_or_nothing(busy, n):
     before = snapshot(busy)
     with pytest.raises(OutOfPagesError) as info:
@@ -375,8 +375,12 @@ def test_allocate_many_over_budget_is_all_or_nothing(busy):
     with pytest.raises(OutOfPagesError) as info:
         busy.allocate_many([10, 20, 6])
     assert (info.value.requested, info.value.available) == (36, 35)
-    with pytest.raises(OutOfPagesError):
+    with pytest.raises(OutOfPagesError) as info:
+        busy.allocate_many([40, 50])  # more than the pool: the sum saturates inside, not here
+    assert info.value.requested == 90
+    with pytest.raises(OutOfPagesError) as info:
         busy.allocate_many([2**62, 2**62, 2**62])  # sums that would overflow int64
+    assert info.value.requested == 3 * 2**62
     assert snapshot(busy) == before
 
 

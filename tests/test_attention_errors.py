@@ -115,7 +115,40 @@ def test_cache_writers_refuse_read_only_caches(kv):
     np.testing.assert_array_equal(k, kv.k)  # nothing written to the writeable one either
 
 
+@pytest.mark.parametrize("axis, name", [(1, "num_kv_heads"), (2, "page_size"), (3, "head_dim")])
+def test_a_cache_with_an_empty_axis_is_refused(kv, axis, name):
+    empty = np.zeros(kv.k.shape[:axis] + (0,) + kv.k.shape[axis + 1:], np.float32)
+    with pytest.raises(ValueError, match=r"expected k_cache with num_kv_heads, page_size and "
+                                         rf"head_dim >= 1, got shape \({empty.shape[0]}, "):
+        decode(kv, k_cache=empty, v_cache=empty)
+
+
+def test_a_cache_of_no_pages_serves_empty_sequences():
+    cache = np.zeros((0, 2, 16, 64), np.float32)
+    out, lse = attention.paged_decode_attention(
+        np.ones((2, 4, 64), np.float32), cache, cache, np.zeros((2, 1), np.int32),
+        np.zeros(2, np.int32), return_lse=True)
+    assert not out.any() and np.all(lse == -np.inf)
+
+
+def test_options_given_in_other_spellings_mean_the_same(kv):
+    """float64 or list ALiBi slopes (as NumPy computes them) are float32 slopes; numpy's bools
+    are bools; a window wider than int32 lengths, or a prefetch distance past the whole cache,
+    changes nothing rather than overflowing."""
+    slopes = 2.0 ** -np.arange(1, 5)
+    expected = decode(kv, alibi_slopes=slopes.astype(np.float32))
+    np.testing.assert_array_equal(decode(kv, alibi_slopes=slopes), expected)
+    np.testing.assert_array_equal(decode(kv, alibi_slopes=slopes.tolist()), expected)
+    plain = decode(kv)
+    for options in (dict(sliding_window=10**30), dict(prefetch=10**30), dict(prefetch=np.True_),
+                    dict(prefetch=np.False_), dict(return_lse=np.False_)):
+        np.testing.assert_array_equal(decode(kv, **options), plain, err_msg=str(options))
+    plan = attention.plan_decode(kv.seq_lens, page_size=16, sliding_window=10**30)
+    np.testing.assert_array_equal(decode(kv, sliding_window=2**40, plan=plan), plain)
+
+
 @pytest.mark.parametrize("options, message", [
+    (dict(seq_lens=[5, -2], page_size=16), "expected seq_lens >= 0, got -2 for sequence 1"),
     (dict(page_size=0), "expected page_size a positive integer, got 0"),
     (dict(page_size=16, num_threads=0), "expected num_threads an integer >= 1, got 0"),
     (dict(page_size=16, num_threads=1.5), "expected num_threads an integer >= 1, got 1.5"),
@@ -124,7 +157,7 @@ def test_cache_writers_refuse_read_only_caches(kv):
 ])
 def test_plan_decode_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
-        attention.plan_decode([5, 9], **options)
+        attention.plan_decode(**{"seq_lens": [5, 9], **options})
 
 
 # ------------------------------------------------------------------ any wrong argument, at random
@@ -155,6 +188,7 @@ ANY = lambda x: True  # noqa: E731
 MUTATIONS = [
     ("None", ANY, lambda x: None), ("a string", ANY, lambda x: "x"), ("a float", ANY, lambda x: 2.5),
     ("True", ANY, lambda x: True), ("-1", ANY, lambda x: -1), ("10**12", ANY, lambda x: 10**12),
+    ("10**30", ANY, lambda x: 10**30), ("numpy's True", ANY, lambda x: np.True_),
     ("an object", ANY, lambda x: object()), ("[]", ANY, lambda x: []), ("[[1]]", ANY, lambda x: [[1]]),
     ("float64", ARRAY, lambda a: a.astype(np.float64)), ("int64", ARRAY, lambda a: a.astype(np.int64)),
     ("bool", ARRAY, lambda a: a.astype(bool)), ("complex", ARRAY, lambda a: a.astype(np.complex64)),
@@ -162,6 +196,8 @@ MUTATIONS = [
     ("flattened", ARRAY, lambda a: a.reshape(-1)), ("one row fewer", ARRAY, lambda a: a[1:]),
     ("transposed", ARRAY, lambda a: a.T.copy() if a.ndim > 1 else a),
     ("Fortran order", ARRAY, np.asfortranarray), ("a list", ARRAY, lambda a: a.tolist()),
+    ("an empty second axis", ARRAY, lambda a: a[:, :0] if a.ndim > 1 else a[:0]),
+    ("an empty last axis", ARRAY, lambda a: a[..., :0]),
     ("float16", FLOATS, lambda a: a.astype(np.float16)), ("a NaN", FLOATS, _entry(np.nan)),
     ("an entry past int32", INTS, lambda a: _entry(2**40)(a.astype(np.int64))),
     ("a negative entry", INTS, _entry(-7)), ("a huge entry", INTS, _entry(2**31 - 1)),
