@@ -75,11 +75,18 @@ class KVCache:
 
     def k(self, layer: int) -> np.ndarray:
         """Keys of one layer: [num_pages, num_kv_heads, page_size, head_dim] (a view)."""
-        return self.data[layer, 0]
+        return self.data[self._layer(layer), 0]
 
     def v(self, layer: int) -> np.ndarray:
         """Values of one layer: [num_pages, num_kv_heads, page_size, head_dim] (a view)."""
-        return self.data[layer, 1]
+        return self.data[self._layer(layer), 1]
+
+    def _layer(self, layer) -> int:
+        """A layer index, checked (a negative one is refused as page ids are, not counted back)."""
+        if (isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer))
+                or not 0 <= layer < self.spec.num_layers):
+            raise IndexError(f"expected layer in [0, {self.spec.num_layers}), got {layer!r}")
+        return int(layer)
 
 
 def _caller_storage(storage, shape, dtype):

@@ -176,6 +176,9 @@ class KVCacheManager:
     def can_append(self, seq_id, num_tokens=1) -> bool:
         """Whether ``append`` of ``num_tokens`` tokens to ``seq_id`` would get its pages now."""
         row = self._row(seq_id)
+        if (isinstance(num_tokens, (bool, np.bool_)) or not isinstance(num_tokens, (int, np.integer))
+                or num_tokens < 1):
+            raise ValueError(f"expected num_tokens an integer >= 1, got {num_tokens!r}")
         try:
             needed, _ = self._pages_for_append(row, int(num_tokens))
         except ValueError:

@@ -55,10 +55,14 @@ def slots_of_last_tokens(block_table, seq_lens, num_new_tokens, page_size):
     int32 [sum(num_new_tokens)], sequence by sequence.
     """
     lens = np.asarray(seq_lens, np.int64)
-    counts = np.broadcast_to(np.asarray(num_new_tokens, np.int64), lens.shape)
-    if np.any(counts < 0) or np.any(counts > lens):
-        raise ValueError(f"expected 0 <= num_new_tokens <= seq_lens, got {counts.tolist()} for "
-                         f"lengths {lens.tolist()}")
+    counts = np.asarray(num_new_tokens)
+    # One check for every wrong value: a float, a wrong length, an int past int64 (object dtype).
+    if (isinstance(num_new_tokens, bool) or counts.dtype.kind not in "iu"
+            or counts.shape not in ((), lens.shape)
+            or np.any(counts < 0) or np.any(counts > lens)):
+        raise ValueError(f"expected num_new_tokens an int or one per sequence ({len(lens)}), each "
+                         f"in [0, seq_len], got {num_new_tokens!r:.80} for lengths {str(lens.tolist()):.80}")
+    counts = np.broadcast_to(counts.astype(np.int64), lens.shape)
     seq = np.repeat(np.arange(len(lens)), counts)
     offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     positions = lens[seq] - counts[seq] + offsets

@@ -259,7 +259,15 @@ def busy():
     (lambda m: m.append_tokens(["a", "a"], [1, 2]), ValueError, "distinct seq_ids"),
     (lambda m: m.append_tokens(["a", "b"], [1]), ValueError, r"one token per sequence \(2\), got 1"),
     (lambda m: m.append_tokens(["a", "zz"], [1, 2]), UnknownSequenceError, "got 'zz'"),
-    (lambda m: m.batch(["a"], num_new_tokens=7), ValueError, "expected 0 <= num_new_tokens <= seq_lens"),
+    (lambda m: m.batch(["a"], num_new_tokens=7), ValueError,
+     r"expected num_new_tokens an int or one per sequence \(1\), each in \[0, seq_len\], got 7"),
+    (lambda m: m.batch(["a"], num_new_tokens=10**30), ValueError, "each in .* got 10000"),
+    (lambda m: m.batch(["a"], num_new_tokens=[1, 1]), ValueError, r"got \[1, 1\] for lengths \[6\]"),
+    (lambda m: m.batch(["a"], num_new_tokens=1.0), ValueError, "got 1.0"),
+    (lambda m: m.batch(["a"], num_new_tokens=True), ValueError, "got True"),
+    (lambda m: m.can_append("a", 0), ValueError, "expected num_tokens an integer >= 1, got 0"),
+    (lambda m: m.can_append("a", -1), ValueError, "got -1"),
+    (lambda m: m.can_append("a", 2.5), ValueError, "got 2.5"),
     (lambda m: m.add_sequence(["c"], [1]), TypeError, r"expected a hashable seq_id, got list \['c'\]"),
     (lambda m: m.fork("a", {"c": 1}), TypeError, "expected a hashable dst_id, got dict"),
     (lambda m: m.pages_obtainable(keep=3), TypeError, "expected keep an iterable of page ids, got 3"),
@@ -325,6 +333,10 @@ def test_kv_cache_views_and_size():
     assert cache.nbytes == 5 * spec.bytes_per_page
     cache.v(1)[3] = 7
     assert cache.data[1, 1, 3].min() == 7 and cache.k(1).max() == 0
+    for layer in (3, -1, 1.0, True, "0"):
+        with pytest.raises(IndexError, match=rf"expected layer in \[0, 3\), got {layer!r}"):
+            cache.v(layer)
+    assert cache.k(np.int64(2)).shape == (5, 2, 4, 8)
 
 
 @pytest.mark.parametrize("dtype, num_pages", [("float32", 1), ("bfloat16", 97), ("float16", 4096)])
