@@ -185,8 +185,8 @@ def _query(q, name, num_kv_heads, head_dim):
                          f"got {array.ndim}-D shape {array.shape}")
     if array.shape[2] != head_dim:
         raise ValueError(f"expected {name} head_dim {head_dim} (the cache's), got {array.shape[2]}")
-    if array.shape[1] % num_kv_heads:
-        raise ValueError(f"expected num_q_heads a multiple of num_kv_heads {num_kv_heads}, "
+    if array.shape[1] % num_kv_heads or array.shape[1] == 0:  # 0 heads: groups of 0, no sense
+        raise ValueError(f"expected num_q_heads a positive multiple of num_kv_heads {num_kv_heads}, "
                          f"got {array.shape[1]}")
     return np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32), kind
 
@@ -212,7 +212,7 @@ def _prefetch_blocks(prefetch, cache) -> tuple[int, int]:
     if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
         raise ValueError(f"expected prefetch a bool or a number of bytes >= 0, got {prefetch!r}")
     block_bytes = cache.shape[2] * cache.shape[3] * cache.itemsize  # not strides: 0 in an empty cache
-    prefetch = min(int(prefetch), cache.nbytes)  # no read lies further ahead than the whole cache
+    prefetch = min(int(prefetch), 2**62)  # further than any visit order, within int64
     ahead = -(-int(prefetch) // block_bytes)
     again = -(-int(prefetch) // PREFETCH_AGAIN_FRACTION // block_bytes)
     return ahead, again if again < ahead and block_bytes >= PREFETCH_AGAIN_MIN_BLOCK else 0
