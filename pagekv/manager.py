@@ -220,6 +220,8 @@ class KVCacheManager:
             Also build the slot_mapping of each sequence's last ``num_new_tokens`` tokens.
         """
         rows = self._rows_of(seq_ids)
+        if not isinstance(csr, (bool, np.bool_)):
+            raise ValueError(f"expected csr a bool, got {csr!r:.80}")
         lens = self.seq_lens[rows]
         table = self.block_table[rows]
         extra: dict[str, np.ndarray] = {}
@@ -499,7 +501,13 @@ class KVCacheManager:
     def _rows_of(self, seq_ids) -> np.ndarray:
         """int64 [len(seq_ids)] rows, or UnknownSequenceError naming the first unknown id."""
         try:
-            return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, len(seq_ids))
+            count = len(seq_ids)
+        except TypeError:
+            count = -1
+        if count < 0 or isinstance(seq_ids, (str, bytes)):  # a str would be read as one id per letter
+            raise TypeError(f"expected seq_ids a list of sequence ids, got {seq_ids!r:.80}")
+        try:
+            return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, count)
         except (KeyError, TypeError):
             unknown = next(s for s in seq_ids if not _is_held(self._rows, s))
             raise UnknownSequenceError(f"expected a held sequence id, got {unknown!r}") from None

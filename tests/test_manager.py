@@ -7,10 +7,11 @@ import sys
 import numpy as np
 import pytest
 
-from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError,
-                    attention)
+from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, PagekvError,
+                    UnknownSequenceError, attention)
 from pagekv import _arrays
 from pagekv.prefix import chain_keys
+from wrong_values import MUTATIONS
 
 
 def snapshot(m):
@@ -234,12 +235,16 @@ def test_prefix_keys_are_stable_across_processes():
 
 
 # ---------------------------------------------------------------------------------- bad input
-@pytest.fixture
-def busy():
+def _busy_manager():
     m = KVCacheManager(num_pages=16, page_size=4, max_seqs=3, max_pages_per_seq=4)
     m.add_sequence("a", list(range(6)))
     m.fork("a", "b")
     return m
+
+
+@pytest.fixture
+def busy():
+    return _busy_manager()
 
 
 @pytest.mark.parametrize("call, error, message", [
@@ -265,6 +270,11 @@ def busy():
     (lambda m: m.batch(["a"], num_new_tokens=[1, 1]), ValueError, r"got \[1, 1\] for lengths \[6\]"),
     (lambda m: m.batch(["a"], num_new_tokens=1.0), ValueError, "got 1.0"),
     (lambda m: m.batch(["a"], num_new_tokens=True), ValueError, "got True"),
+    (lambda m: m.batch(None), TypeError, "expected seq_ids a list of sequence ids, got None"),
+    (lambda m: m.batch("ab"), TypeError, "expected seq_ids a list of sequence ids, got 'ab'"),
+    (lambda m: m.batch(["a"], csr=np.array([1, 2])), ValueError, r"expected csr a bool, got array\(\[1, 2\]\)"),
+    (lambda m: m.append_tokens(7, [1]), TypeError, "expected seq_ids a list of sequence ids, got 7"),
+    (lambda m: m.append_tokens(np.array(3), [1]), TypeError, "got array\\(3\\)"),
     (lambda m: m.can_append("a", 0), ValueError, "expected num_tokens an integer >= 1, got 0"),
     (lambda m: m.can_append("a", -1), ValueError, "got -1"),
     (lambda m: m.can_append("a", 2.5), ValueError, "got 2.5"),
@@ -280,6 +290,51 @@ def test_bad_input_raises_and_changes_nothing(busy, call, error, message):
     with pytest.raises(error, match=message):
         call(busy)
     assert snapshot(busy) == before
+
+
+def _manager_calls():
+    """Every public manager call with valid arguments, against the ``busy`` manager (sequences
+    "a" and its fork "b" of 6 tokens, page 4, 16 pages, 3 rows)."""
+    tokens = np.array([1, 2, 3], np.int32)
+    return {
+        "seq_len": dict(seq_id="a"), "page_table": dict(seq_id="a"), "can_add": dict(token_ids=tokens),
+        "can_append": dict(seq_id="a", num_tokens=1), "pages_obtainable": dict(keep=[0]),
+        "batch": dict(seq_ids=["a", "b"], csr=True, num_new_tokens=np.array([1, 2])),
+        "add_sequence": dict(seq_id="c", token_ids=tokens), "append": dict(seq_id="a", token_ids=tokens),
+        "append_tokens": dict(seq_ids=["a", "b"], token_ids=np.array([7, 8], np.int32)),
+        "fork": dict(src_id="a", dst_id="c"), "free": dict(seq_id="a"), "detach": dict(seq_id="a"),
+        "restore_cached": dict(keys=[b"k" * 16], keep=[0]),
+    }
+
+
+SEQ_ID_LISTS = [("a repeated id", ["a", "a"]), ("an unknown id", ["a", "zz"]), ("a str", "ab"),
+                ("a dict", {"a": 1}), ("a set", {"a"}), ("an unhashable id", [["a"]])]
+
+
+@pytest.mark.parametrize("method", sorted(_manager_calls()))
+def test_every_wrong_argument_is_refused_cleanly_and_changes_nothing(method):
+    """Each argument of the call replaced by each wrong value (tests/wrong_values.py, and lists
+    of ids): it works, or raises ValueError/TypeError/PagekvError saying "expected ..." with the
+    manager exactly as it was — never an error from deeper down (numpy, iteration, len)."""
+    wrong = []
+    for name, value in _manager_calls()[method].items():
+        cases = [(label, mutate(value)) for label, applies, mutate in MUTATIONS if applies(value)]
+        for label, bad in cases + SEQ_ID_LISTS * isinstance(value, list):
+            m = _busy_manager()
+            args = _manager_calls()[method]
+            args[name] = bad
+            before = snapshot(m)
+            try:
+                getattr(m, method)(**args)
+            except (ValueError, TypeError, PagekvError) as exc:
+                if "expected" not in str(exc):
+                    wrong.append(f"{name}={label}: {exc!r}")
+                elif snapshot(m) != before:
+                    wrong.append(f"{name}={label}: refused but changed the manager")
+            except Exception as exc:  # noqa: BLE001  # any other error is the finding
+                wrong.append(f"{name}={label}: {exc!r}")
+            m.check()
+    assert not wrong, "\n".join(wrong)
 
 
 def test_too_many_sequences(busy):
