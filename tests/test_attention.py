@@ -368,3 +368,41 @@ def test_single_token_sequences():
     # With one key, attention returns its value.
     for s in range(3):
         np.testing.assert_allclose(out[s], kv.v64[kv.block_table[s, 0], :, 0], rtol=1e-6)
+
+
+def test_pages_past_element_2_31_are_written_and_read_where_they_are():
+    """A bfloat16 cache of 2**31 + elements (4 GiB, which np.zeros maps lazily: the test touches
+    a few pages): pages whose elements start past 2**31 are written, copied, gathered and attended
+    over like any other — no offset in the kernels, tiles or prefetches wraps at 32 bits. One
+    array serves as K and V (write_kv writes V last, so it holds the values)."""
+    heads, page_size, head_dim = 8, 16, 128
+    limit = 2**31 // (heads * page_size * head_dim)  # the first page starting at element 2**31
+    cache = np.zeros((limit + 4, heads, page_size, head_dim), np.uint16)
+    table = np.array([[limit + 3, 5, limit], [limit + 1, limit - 1, 7]], np.int32)
+    lens = np.array([40, 37], np.int32)
+    rng = np.random.default_rng(11)
+    slots = np.concatenate([table[s, np.arange(n) // page_size].astype(np.int64) * page_size
+                            + np.arange(n) % page_size for s, n in enumerate(lens)])
+    values = to_storage(rng.standard_normal((len(slots), heads, head_dim)), "bfloat16")
+    attention.write_kv(values, values, cache, cache, slots)
+    attention.copy_pages(cache, cache, [limit + 3], [limit + 2])
+    used = np.unique(np.append(table, limit + 2))
+    compact = widen(cache[used], "bfloat16")  # the used pages, renumbered 0..len(used)-1
+    compact_table = np.searchsorted(used, table).astype(np.int32)
+    np.testing.assert_array_equal(compact[np.searchsorted(used, limit + 2)],
+                                  compact[compact_table[0, 0]])
+    rows, _, _ = attention.gather_kv(cache, cache, table, lens)
+    np.testing.assert_array_equal(rows, values)
+    # bfloat16 queries: exact on every path, the bfloat16 products' (and AMX's) included
+    tolerance = (FAST_BF16_TOLERANCE if takes_fast_bf16("bfloat16", head_dim, page_size)
+                 else TOLERANCE["float32"])
+    q = widen(to_storage(rng.standard_normal((2, 32, head_dim)), "bfloat16"), "bfloat16")
+    expected, _ = reference.decode(q, compact, compact, compact_table, lens)
+    out = attention.paged_decode_attention(q.astype(np.float32), cache, cache, table, lens)
+    assert relative_error(out, expected) <= tolerance
+    q_rows = widen(to_storage(rng.standard_normal((10, 32, head_dim)), "bfloat16"), "bfloat16")
+    indptr = np.array([0, 4, 10], np.int32)
+    expected, _ = reference.prefill(q_rows, compact, compact, compact_table, lens, indptr)
+    out = attention.paged_prefill_attention(q_rows.astype(np.float32), cache, cache, table, lens,
+                                            indptr)
+    assert relative_error(out, expected) <= tolerance
