@@ -219,7 +219,7 @@ class KVCacheManager:
         num_new_tokens : int or int array [num_seqs], optional
             Also build the slot_mapping of each sequence's last ``num_new_tokens`` tokens.
         """
-        rows = self._rows_of(seq_ids)
+        rows = self._rows_of(id_list(seq_ids))
         if not isinstance(csr, (bool, np.bool_)):
             raise ValueError(f"expected csr a bool, got {csr!r:.80}")
         lens = self.seq_lens[rows]
@@ -326,6 +326,7 @@ class KVCacheManager:
         Pages for the sequences that cross a page boundary (and for copy-on-write) are taken with
         one allocator call. Returns int32 [num_seqs] slots, in ``seq_ids`` order.
         """
+        seq_ids = id_list(seq_ids)
         rows = self._rows_of(seq_ids)
         if len(rows) and np.bincount(rows).max() > 1:
             raise ValueError("expected distinct seq_ids in one decode step, got a repeated id")
@@ -498,16 +499,10 @@ class KVCacheManager:
         except (KeyError, TypeError):
             raise UnknownSequenceError(f"expected a held sequence id, got {seq_id!r}") from None
 
-    def _rows_of(self, seq_ids) -> np.ndarray:
+    def _rows_of(self, seq_ids: list) -> np.ndarray:
         """int64 [len(seq_ids)] rows, or UnknownSequenceError naming the first unknown id."""
         try:
-            count = len(seq_ids)
-        except TypeError:
-            count = -1
-        if count < 0 or isinstance(seq_ids, (str, bytes)):  # a str would be read as one id per letter
-            raise TypeError(f"expected seq_ids a list of sequence ids, got {seq_ids!r:.80}")
-        try:
-            return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, count)
+            return np.fromiter(map(self._rows.__getitem__, seq_ids), np.int64, len(seq_ids))
         except (KeyError, TypeError):
             unknown = next(s for s in seq_ids if not _is_held(self._rows, s))
             raise UnknownSequenceError(f"expected a held sequence id, got {unknown!r}") from None
@@ -651,6 +646,42 @@ class KVCacheManager:
             self._last_key[row] = key
             keys.append(key)
         self._cache_pages(keys, self.block_table[rows, indices].tolist())
+
+
+def id_list(seq_ids, *, distinct=False) -> list:
+    """``seq_ids`` (a list, tuple or array of sequence ids) as a list; TypeError for anything else,
+    a str included (it would read as one id per letter); ``distinct``: the ids hashable and
+    distinct, else TypeError or ValueError."""
+    if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
+        raise TypeError(f"expected seq_ids a list of sequence ids, got {seq_ids!r:.80}")
+    try:
+        ids = list(seq_ids)
+    except TypeError:  # a 0-d array has __len__ but no length
+        raise TypeError(f"expected seq_ids a list of sequence ids, got {seq_ids!r:.80}") from None
+    if distinct:
+        try:
+            unique = len(set(ids))
+        except TypeError:
+            bad = next(s for s in ids if not _is_hashable(s))
+            raise TypeError(f"expected hashable sequence ids, got {type(bad).__name__} {bad!r:.80}") from None
+        if unique != len(ids):
+            raise ValueError("expected distinct seq_ids, got a repeated id")
+    return ids
+
+
+def hashable_id(seq_id):
+    """``seq_id`` itself, or TypeError saying a sequence id must be hashable (a dict key)."""
+    if not _is_hashable(seq_id):
+        raise TypeError(f"expected a hashable seq_id, got {type(seq_id).__name__} {seq_id!r:.80}")
+    return seq_id
+
+
+def _is_hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_held(rows, seq_id):

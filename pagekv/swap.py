@@ -17,7 +17,7 @@ from pagekv.cache import KVCache
 from pagekv.errors import OutOfPagesError, UnknownSequenceError
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import threads as _threads
-from pagekv.manager import KVCacheManager
+from pagekv.manager import KVCacheManager, hashable_id, id_list
 from pagekv.prefix import chain_keys
 from pagekv.tier import OffloadTier
 
@@ -88,7 +88,7 @@ class TieredKVCache:
         OutOfPagesError
             The tier has too few free pages even after dropping spilled prefixes; nothing changed.
         """
-        seq_ids = self._distinct(seq_ids)
+        seq_ids = id_list(seq_ids, distinct=True)
         tables = [self.manager.page_table(seq_id) for seq_id in seq_ids]  # raises on unknown ids
         busy = [s for s in seq_ids if s in self._inflight]
         if busy:
@@ -116,7 +116,7 @@ class TieredKVCache:
         OutOfPagesError, ValueError
             Too few hot pages or free rows for all of them; nothing changed.
         """
-        seq_ids = self._distinct(seq_ids)
+        seq_ids = id_list(seq_ids, distinct=True)
         if not seq_ids:
             return
         for seq_id in seq_ids:
@@ -137,7 +137,7 @@ class TieredKVCache:
 
     def is_ready(self, seq_id) -> bool:
         """Whether ``seq_id`` is in the hot cache with its KV in place (False while swapped out)."""
-        job = self._inflight.get(seq_id)
+        job = self._inflight.get(hashable_id(seq_id))
         if job is None:
             return seq_id in self.manager
         if job.thread.is_alive():
@@ -147,14 +147,14 @@ class TieredKVCache:
 
     def wait(self, seq_ids=None) -> None:
         """Block until the prefetches of ``seq_ids`` (default: all running ones) are done."""
-        wanted = list(self._inflight) if seq_ids is None else list(seq_ids)
+        wanted = list(self._inflight) if seq_ids is None else id_list(seq_ids, distinct=True)
         for job in {id(self._inflight[s]): self._inflight[s] for s in wanted if s in self._inflight}.values():
             job.thread.join()
             self._collect(job)
 
     def free(self, seq_id) -> None:
         """Free a sequence wherever it is (hot, swapped, or being prefetched: waits for that first)."""
-        if seq_id in self._swapped:
+        if hashable_id(seq_id) in self._swapped:
             _, cold = self._swapped.pop(seq_id)
             if len(cold):
                 self.tier.allocator.decref(cold)
@@ -164,7 +164,7 @@ class TieredKVCache:
         self.manager.free(seq_id)
 
     def is_swapped(self, seq_id) -> bool:
-        return seq_id in self._swapped
+        return hashable_id(seq_id) in self._swapped
 
     # ------------------------------------------------------------------ prefix spill
     def add_sequence(self, seq_id, token_ids) -> int:
@@ -224,13 +224,6 @@ class TieredKVCache:
             del self._inflight[seq_id]
         if len(job.tier_pages):
             self.tier.allocator.decref(job.tier_pages)
-
-    @staticmethod
-    def _distinct(seq_ids):
-        seq_ids = list(seq_ids)
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("expected distinct seq_ids, got a repeated id")
-        return seq_ids
 
 
 def _planes(data):

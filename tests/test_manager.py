@@ -11,7 +11,7 @@ from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, Pagek
                     UnknownSequenceError, attention)
 from pagekv import _arrays
 from pagekv.prefix import chain_keys
-from wrong_values import MUTATIONS
+from wrong_values import MUTATIONS, SEQ_ID_LISTS
 
 
 def snapshot(m):
@@ -305,10 +305,6 @@ def _manager_calls():
         "fork": dict(src_id="a", dst_id="c"), "free": dict(seq_id="a"), "detach": dict(seq_id="a"),
         "restore_cached": dict(keys=[b"k" * 16], keep=[0]),
     }
-
-
-SEQ_ID_LISTS = [("a repeated id", ["a", "a"]), ("an unknown id", ["a", "zz"]), ("a str", "ab"),
-                ("a dict", {"a": 1}), ("a set", {"a"}), ("an unhashable id", [["a"]])]
 
 
 @pytest.mark.parametrize("method", sorted(_manager_calls()))

@@ -9,9 +9,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from pagekv import KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError
+from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, PagekvError,
+                    UnknownSequenceError)
 from pagekv.swap import TieredKVCache
 from pagekv.tier import OffloadTier, TierFileError
+from wrong_values import MUTATIONS, SEQ_ID_LISTS
 
 SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
 
@@ -255,6 +257,43 @@ def test_bad_arguments_are_refused_with_what_was_expected(tmp_path):
     with pytest.raises(TierFileError, match="expected a pagekv tier file"):
         (tmp_path / "empty").write_bytes(b"")
         OffloadTier.open(tmp_path / "empty")
+
+
+def _with_one_swapped():
+    t = tiered(hot_pages=16, tier_pages=16, max_seqs=4)
+    t.add_sequence("a", np.arange(6))
+    t.add_sequence("s", np.arange(3))
+    t.swap_out(["s"])
+    return t
+
+
+TIER_CALLS = {"swap_out": dict(seq_ids=["a"]), "prefetch": dict(seq_ids=["s"]),
+              "wait": dict(seq_ids=["s"]), "is_ready": dict(seq_id="s"), "is_swapped": dict(seq_id="s"),
+              "free": dict(seq_id="a"), "add_sequence": dict(seq_id="c", token_ids=np.arange(5))}
+
+
+@pytest.mark.parametrize("method", sorted(TIER_CALLS))
+def test_every_wrong_argument_is_refused_cleanly(method):
+    """Each argument replaced by each wrong value (tests/wrong_values.py): the call works or raises
+    ValueError/TypeError/PagekvError saying "expected ..." and leaves the tiers as they were."""
+    wrong = []
+    for name, value in TIER_CALLS[method].items():
+        cases = [(label, mutate(value)) for label, applies, mutate in MUTATIONS if applies(value)]
+        for label, bad in cases + SEQ_ID_LISTS * isinstance(value, list):
+            t = _with_one_swapped()
+            before = snapshot(t)
+            try:
+                getattr(t, method)(**{**TIER_CALLS[method], name: bad})
+            except (ValueError, TypeError, PagekvError) as exc:
+                if "expected" not in str(exc):
+                    wrong.append(f"{name}={label}: {exc!r}")
+                elif snapshot(t) != before:
+                    wrong.append(f"{name}={label}: refused but changed the tiers")
+            except Exception as exc:  # noqa: BLE001  # any other error is the finding
+                wrong.append(f"{name}={label}: {exc!r}")
+            t.wait()
+            t.manager.check()
+    assert not wrong, "\n".join(wrong)
 
 
 def test_manager_attach_and_restore_cached_refuse_bad_input_and_change_nothing():

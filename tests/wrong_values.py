@@ -46,3 +46,6 @@ MUTATIONS = [
     ("a negative entry", INTS, _entry(-7)), ("a huge entry", INTS, _entry(2**31 - 1)),
 ]
 READ_ONLY = ("read-only", FLOATS, _read_only)
+# Wrong lists of sequence ids, for the arguments that take one.
+SEQ_ID_LISTS = [("a repeated id", ["a", "a"]), ("an unknown id", ["a", "zz"]), ("a str", "ab"),
+                ("a dict", {"a": 1}), ("a set", {"a"}), ("an unhashable id", [["a"]])]
