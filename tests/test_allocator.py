@@ -15,6 +15,7 @@ from pagekv import (
     PagekvError,
     PageStateError,
 )
+from wrong_values import MUTATIONS
 
 EDGE_POOL_SIZES = [1, 63, 64, 65, 127, 129, 2**16 + 1]
 
@@ -26,8 +27,7 @@ def snapshot(alloc):
             alloc.is_free(everything).tolist())
 
 
-@pytest.fixture
-def busy():
+def _busy_pool():
     """A pool of 65 pages in a mixed state: shared, exclusive and free pages, a reordered stack."""
     alloc = PageAllocator(65)
     pages = alloc.allocate(40)
@@ -35,6 +35,51 @@ def busy():
     alloc.decref(pages[30:])  # 10 pages back on top of the stack, in a new order
     alloc.check()
     return alloc
+
+
+@pytest.fixture
+def busy():
+    return _busy_pool()
+
+
+# Every public call with valid arguments against _busy_pool() (page 3 is shared, 15 exclusive).
+ALLOCATOR_CALLS = {
+    "allocate": dict(n=2, after=3), "allocate_one": dict(after=3),
+    "allocate_many": dict(counts=np.array([1, 2], np.int32), after=np.array([3, -1], np.int32)),
+    "incref": dict(pages=np.array([3, 15], np.int32)), "incref_one": dict(page=15),
+    "decref": dict(pages=np.array([3, 15], np.int32)), "decref_one": dict(page=15),
+    "refcount": dict(pages=np.array([3, 15], np.int32)), "is_free": dict(pages=np.array([3, 15], np.int32)),
+    "can_allocate": dict(n=2),
+}
+KEYWORD_ONLY = {"after"}
+
+
+@pytest.mark.parametrize("method", sorted(ALLOCATOR_CALLS))
+def test_every_wrong_argument_is_refused_cleanly_and_changes_nothing(method):
+    """Each argument replaced by each wrong value (tests/wrong_values.py: floats, bools, huge and
+    negative ints, strided, 2-D, float and complex arrays, ...): the call works, or raises
+    ValueError/TypeError/PagekvError (MemoryError for too many pages) saying "expected ..." with
+    the pool exactly as it was and its audit clean."""
+    wrong = []
+    for name, value in ALLOCATOR_CALLS[method].items():
+        for label, applies, mutate in MUTATIONS:
+            if not applies(value):
+                continue
+            alloc = _busy_pool()
+            before = snapshot(alloc)
+            args = {**ALLOCATOR_CALLS[method], name: mutate(value)}
+            positional = [v for k, v in args.items() if k not in KEYWORD_ONLY]
+            try:
+                getattr(alloc, method)(*positional, **{k: v for k, v in args.items() if k in KEYWORD_ONLY})
+            except (ValueError, TypeError, PagekvError) as exc:
+                if "expected" not in str(exc):
+                    wrong.append(f"{name}={label}: {exc!r}")
+                elif snapshot(alloc) != before:
+                    wrong.append(f"{name}={label}: refused but changed the pool")
+            except Exception as exc:  # noqa: BLE001  # any other error is the finding
+                wrong.append(f"{name}={label}: {exc!r}")
+            alloc.check()
+    assert not wrong, "\n".join(wrong)
 
 
 # ---------------------------------------------------------------- behaviour
