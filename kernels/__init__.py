@@ -17,7 +17,8 @@ if not _os.environ.get("NUMBA_CACHE_DIR"):
     _drop_stale_cache(_pathlib.Path(__file__).parent, _pathlib.Path(__file__).parent / "__pycache__")
 
 
-def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, processes=None):
+def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, processes=None,
+           progress=None):
     """Compile (or load from Numba's cache) the kernels for the given storage dtypes.
 
     Runs each public operation once on a tiny problem, so the first real call does not pay for
@@ -34,6 +35,9 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, proces
     processes : int, optional
         How many kernels compile at once on a cold cache: default one per CPU this process may
         run on (at most one per kernel); 1 compiles here, one after the other.
+    progress : bool, optional
+        A progress bar on stderr, one step per (operation, dtype): default only when something
+        compiles (a cold compile of float32 and bfloat16 takes 1-3 min), True always, False never.
     """
     import time
 
@@ -41,11 +45,19 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, proces
 
     if processes is not None and (not isinstance(processes, int) or processes < 1):
         raise ValueError(f"expected processes None or an int >= 1, got {processes!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"expected progress None, True or False, got {progress!r}")
     start = time.perf_counter()
     tasks = _warm.tasks(dtypes)
     workers = min(len(tasks), _warm.usable_cpus() if processes is None else processes)
-    if workers > 1 and not _warm.compiled({dtype for _, dtype in tasks}, head_dim, page_size):
-        _warm.compile_in_subprocesses(tasks, workers, head_dim, page_size)
-    for op, kind in tasks:  # loads what the subprocesses compiled; compiles whatever they did not
-        _warm.run(op, kind, head_dim, page_size)
+    cold = not _warm.compiled({dtype for _, dtype in tasks}, head_dim, page_size)
+    with _warm.progress_bar(len(tasks), disable=not (cold if progress is None else progress)) as bar:
+        compiled_apart = workers > 1 and cold
+        if compiled_apart:
+            bar.set_postfix_str(f"compiling in {workers} interpreters")
+            _warm.compile_in_subprocesses(tasks, workers, head_dim, page_size, done=bar.update)
+        for op, kind in tasks:  # loads what the subprocesses compiled; compiles whatever they did not
+            bar.set_postfix_str(f"{op} {kind}")
+            _warm.run(op, kind, head_dim, page_size)
+            bar.update(0 if compiled_apart else 1)
     return time.perf_counter() - start

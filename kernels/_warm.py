@@ -9,11 +9,12 @@ not ``multiprocessing``: its spawned workers re-run the caller's main module, wh
 without an ``if __name__ == "__main__"`` guard cannot survive.
 """
 
+import logging
 import os
 import pathlib
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from pagekv._arrays import KV_FORMAT
 
 DTYPES = tuple(KV_FORMAT)  # the storage kinds the kernels take
 OPERATIONS = ("decode", "prefill", "ops")
+LOGGER = logging.getLogger("pagekv")
+_announced: set = set()  # ids of the dispatchers announce_compile has looked at
 
 
 def tasks(dtypes):
@@ -109,9 +112,39 @@ def _in_cache(dispatcher):
     return any(key[1:] == wanted for key in cache._cache_file._load_index())
 
 
-def compile_in_subprocesses(task_list, workers, head_dim, page_size):
-    """Run :func:`run` for each task in a fresh interpreter, ``workers`` at a time. A failed
-    interpreter costs only its time: the caller then compiles what is missing itself."""
+def announce_compile(dispatcher, what):
+    """Log a warning (once per kernel and process) when the call about to run ``dispatcher`` will
+    compile it: nothing compiled or loaded in this process yet, and nothing for this CPU in Numba's
+    disk cache. A decode or prefill kernel compiles for 20-60 s, which a caller would otherwise
+    take for a hang. Python's logging prints warnings on stderr unless told otherwise
+    (``logging.getLogger("pagekv")``). Costs a set lookup once the kernel is known."""
+    if id(dispatcher) in _announced:
+        return
+    _announced.add(id(dispatcher))
+    if dispatcher.signatures:
+        return
+    try:
+        cached = _in_cache(dispatcher)
+    except Exception:  # noqa: BLE001 -- a Numba without these internals: say nothing
+        return
+    if not cached:
+        LOGGER.warning("pagekv: compiling the %s kernel for this CPU, once: about a minute (Numba "
+                       "keeps it on disk for later processes; pagekv.kernels.warmup() compiles "
+                       "ahead of time)", what)
+
+
+def progress_bar(total, *, disable):
+    """A progress bar on stderr over ``total`` (operation, dtype) tasks (``.update()`` per task)."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    return tqdm(total=total, desc="pagekv kernels", unit="task", disable=disable, file=sys.stderr,
+                leave=False)
+
+
+def compile_in_subprocesses(task_list, workers, head_dim, page_size, *, done=lambda: None):
+    """Run :func:`run` for each task in a fresh interpreter, ``workers`` at a time, calling
+    ``done()`` as each ends. A failed interpreter costs only its time: the caller then compiles
+    what is missing itself."""
     import pagekv
 
     # `python -c` puts its working directory first on sys.path: the folder that holds the pagekv
@@ -128,4 +161,5 @@ def compile_in_subprocesses(task_list, workers, head_dim, page_size):
             pass
 
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(compile_one, task_list))
+        for _ in as_completed([pool.submit(compile_one, task) for task in task_list]):
+            done()

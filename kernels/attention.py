@@ -42,7 +42,7 @@ import math
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from pagekv.kernels import slots
+from pagekv.kernels import _warm, slots
 from pagekv.kernels._math import JIT
 from pagekv.kernels._tile_ir import PAIR_ORDER, PAIRED
 from pagekv.kernels._tile_rows import pack_pairs
@@ -229,7 +229,9 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     bfloat16 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
     kernels/_tile_ir.py), when the shape allows.
     """
-    _DECODE[kernel_kind(k_cache, kv_format, dot_products)](
+    kind = kernel_kind(k_cache, kv_format, dot_products)
+    _warm.announce_compile(_DECODE[kind], f"{kind} decode")
+    _DECODE[kind](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale, window,
         soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, get_num_threads())
 
@@ -362,6 +364,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     pages); the tiles are not asked again nearer: that made prefill 1-4% slower (compute-bound).
     dot_products : bool, as in :func:`decode`.
     """
-    _PREFILL[kernel_kind(k_cache, kv_format, dot_products)](
+    kind = kernel_kind(k_cache, kv_format, dot_products)
+    _warm.announce_compile(_PREFILL[kind], f"{kind} prefill")
+    _PREFILL[kind](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr, scale,
         window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, get_num_threads())

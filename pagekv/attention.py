@@ -17,6 +17,7 @@ import numpy as np
 
 from pagekv import _arrays
 from pagekv.errors import InvalidPageError
+from pagekv.kernels import _warm
 from pagekv.kernels import amx_attention as _amx_attention
 from pagekv.kernels import attention as _attention
 from pagekv.kernels import cache_ops as _cache_ops
@@ -383,6 +384,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     _threads.start()
     kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
     if _amx_attention.applies_to_decode(k, kv_format, dot_products, num_q_heads // num_kv_heads):
+        _warm.announce_compile(_amx_attention.decode, "bfloat16 AMX decode")
         _amx_attention.decode(q32, k, v, table, lens, plan.items, plan.slot_indptr, scale, window,
                               cap, slopes, buffer, lse, part_out, part_lse, _prefetch_blocks(prefetch, k))
     else:
@@ -448,6 +450,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     _threads.start()
     kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
     if _amx_attention.applies(k, kv_format, dot_products):  # CPUs with AMX: kernels/_amx.py
+        _warm.announce_compile(_amx_attention.prefill, "bfloat16 AMX prefill")
         _amx_attention.prefill(q32, k, v, table, lens, indptr, items, slot_indptr, scale, window, cap,
                                slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0])
     else:

@@ -59,6 +59,10 @@ def simulate(args, model_of):
     print(f"model {model.name} ({model.num_layers} layers, {model.num_kv_heads} KV heads, head_dim "
           f"{model.head_dim}, {args.dtype}): {config.spec.bytes_per_token} B per token; budget "
           f"{_gib(args.memory)} = {config.num_pages} pages of {args.page_size} tokens")
+    if args.attention:  # compile (or load) the decode kernel now, not under the progress bar
+        from pagekv.kernels import _warm
+
+        _warm.run("decode", args.dtype, model.head_dim, args.page_size)
     bar = _progress(len(requests) * len(args.policies), disable=args.no_progress)
     results, kernel = [], {}
     for policy in args.policies:

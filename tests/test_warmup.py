@@ -9,6 +9,12 @@ import pytest
 
 from pagekv.kernels import _warm, warmup
 
+_ANNOUNCE_TWICE = """
+from pagekv.kernels import _warm
+from pagekv.kernels import attention as kernels
+for _ in range(2):
+    _warm.announce_compile(kernels._DECODE["float32"], "float32 decode")
+"""
 _COMPILED_IN_EMPTY_CACHE = """
 from pagekv.kernels import _warm
 print(_warm.compiled(("float32", "bfloat16"), 128, 16))
@@ -19,6 +25,7 @@ print(_warm.compiled(("float32", "bfloat16"), 128, 16))
     (dict(dtypes=("int8",)), "expected dtypes among float32, float16, bfloat16, got 'int8'"),
     (dict(processes=0), "expected processes None or an int >= 1, got 0"),
     (dict(processes=1.5), "expected processes None or an int >= 1, got 1.5"),
+    (dict(progress="yes"), "expected progress None, True or False, got 'yes'"),
 ])
 def test_bad_arguments_are_refused_before_any_work(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -56,7 +63,6 @@ def test_interpreters_compile_into_the_cache(tmp_path, monkeypatch):
             "cache_ops.merge_states"} <= written
 
 
-
 def test_one_kinds_kernel_in_the_index_does_not_count_for_another(monkeypatch):
     # The decode kernels of every storage kind are one closure with other cells, so they share one
     # index file: only an entry with this kernel's own hashes counts.
@@ -68,3 +74,34 @@ def test_one_kinds_kernel_in_the_index_does_not_count_for_another(monkeypatch):
         monkeypatch.setattr(dispatcher._cache._cache_file, "_load_index", lambda: entry)
     assert _warm._in_cache(float32)
     assert not _warm._in_cache(bfloat16)
+
+
+def test_a_kernel_about_to_compile_is_announced_once(tmp_path):
+    # A fresh interpreter with an empty cache of its own: the decode kernel would compile.
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    err = subprocess.run([sys.executable, "-c", _ANNOUNCE_TWICE], capture_output=True, text=True,
+                         check=True, cwd=tmp_path, env=env).stderr
+    assert err.count("pagekv: compiling the float32 decode kernel for this CPU, once") == 1, err
+
+
+def test_a_cached_or_loaded_kernel_is_not_announced(tmp_path):
+    warmup(dtypes=("float32",), head_dim=64, page_size=2, processes=1)
+    # In the disk cache, not loaded yet (a new interpreter on the same cache): nothing said.
+    result = subprocess.run([sys.executable, "-c", _ANNOUNCE_TWICE], capture_output=True, text=True,
+                            check=True, cwd=tmp_path)
+    assert "compiling" not in result.stderr, result.stderr
+
+
+def test_the_progress_bar_shows_when_asked_or_when_compiling(capsys, monkeypatch):
+    options = dict(dtypes="float32", head_dim=64, page_size=2, processes=1)
+    warmup(**options)
+    capsys.readouterr()
+    warmup(**options)  # everything cached: no bar by default
+    assert "pagekv kernels" not in capsys.readouterr().err
+    warmup(**options, progress=True)
+    assert "pagekv kernels" in capsys.readouterr().err
+    monkeypatch.setattr(_warm, "compiled", lambda *args: False)  # as if the cache were cold
+    warmup(**options)
+    assert "pagekv kernels" in capsys.readouterr().err
+    warmup(**options, progress=False)
+    assert "pagekv kernels" not in capsys.readouterr().err
