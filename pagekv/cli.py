@@ -3,7 +3,8 @@
     pagekv simulate                  # the embedded Mooncake slice, llama-3-8b, 16 GiB of KV cache
     pagekv simulate --trace FILE     # a full trace (Mooncake JSONL)
     pagekv plan --model llama-3-70b --memory 80GiB --context 32768
-    pagekv bench                     # bandwidth, decode kernel GB/s, allocator ns/page (<= 60 s)
+    pagekv bench                     # bandwidth, decode kernel GB/s, allocator ns/page (<= 60 s
+                                     # once the kernels are compiled)
     pagekv info                      # versions, threads, CPU features, kernel cache
 """
 
@@ -131,7 +132,8 @@ def build_parser():
 
     sub.add_parser("bench", help="measure this machine (<= 60 s): bandwidth, decode GB/s, allocator",
                    description="Streaming-read bandwidth, paged decode attention GB/s and its share of "
-                   "that bandwidth, and the page allocator's ns per page, measured here.")
+                   "that bandwidth, and the page allocator's ns per page, measured here. The first "
+                   "run also compiles the kernels (1-3 min, once, under a progress bar).")
     sub.add_parser("info", help="versions, threading, CPU features, kernel cache",
                    description="What pagekv runs on: versions, Numba's threading layer and thread "
                    "count, CPU features, the kernel cache and whether the kernels are compiled.")
