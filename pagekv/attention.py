@@ -10,6 +10,7 @@ The log-sum-exp values (``return_lse``, ``merge_states``) use the natural logari
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass
 
 import numba
@@ -263,6 +264,11 @@ class DecodePlan:
     window: int
 
 
+# The plans plan_decode made: the kernels trust a plan's work items, so a DecodePlan built by hand
+# (or by dataclasses.replace) is refused rather than read.
+_PLANS: "weakref.WeakSet[DecodePlan]" = weakref.WeakSet()
+
+
 def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
     """Balance a decode step's work across threads; pass the result as ``plan=`` to every layer.
 
@@ -291,8 +297,10 @@ def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
     min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
     items, slot_indptr, split_seqs, num_parts = _plan.plan_decode(
         lens, page_size, window, num_slots, min_chunk)
-    return DecodePlan(lens.copy(), items, slot_indptr, split_seqs, int(num_parts), int(page_size),
+    plan = DecodePlan(lens.copy(), items, slot_indptr, split_seqs, int(num_parts), int(page_size),
                       window)
+    _PLANS.add(plan)
+    return plan
 
 
 # ---------------------------------------------------------------------------------------- attention
@@ -371,8 +379,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     return_lse = _flag(return_lse, "return_lse")
     if plan is None:
         plan = plan_decode(lens, page_size=page_size, sliding_window=sliding_window)
-    elif not isinstance(plan, DecodePlan):
-        raise TypeError(f"expected plan None or a DecodePlan from plan_decode, got {type(plan).__name__}")
+    elif not isinstance(plan, DecodePlan) or plan not in _PLANS:
+        raise TypeError(f"expected plan None or a DecodePlan from plan_decode, got "
+                        f"{'one made elsewhere' if isinstance(plan, DecodePlan) else type(plan).__name__}")
     elif ((plan.page_size, plan.window) != (page_size, window)
           or not np.array_equal(plan.seq_lens, lens)):
         raise ValueError("expected a plan made for these seq_lens, page_size and sliding_window, "

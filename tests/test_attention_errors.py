@@ -74,6 +74,18 @@ def test_bad_arguments(kv, changes, error, message):
         decode(kv, **changes)
 
 
+def test_a_plan_not_made_by_plan_decode_is_refused(kv):
+    """The kernels trust a plan's work items: one built by hand could send them anywhere."""
+    import dataclasses
+
+    plan = attention.plan_decode(kv.seq_lens, page_size=16)
+    forged = dataclasses.replace(plan, items=plan.items + 1000)
+    with pytest.raises(TypeError, match="expected plan None or a DecodePlan from plan_decode, "
+                                        "got one made elsewhere"):
+        decode(kv, plan=forged)
+    decode(kv, plan=plan)
+
+
 def test_plan_for_other_lengths_is_refused(kv):
     plan = attention.plan_decode([20, 6], page_size=16)
     with pytest.raises(ValueError, match="expected a plan made for these seq_lens"):
