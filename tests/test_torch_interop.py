@@ -29,6 +29,26 @@ def test_decode_on_torch_caches_matches_numpy(dtype):
     np.testing.assert_allclose(out.float().numpy(), expected, rtol=tolerance, atol=tolerance)
 
 
+def test_small_float_arguments_come_in_any_float_dtype():
+    """ALiBi slopes and log-sum-exps as torch computes them (float64 included) mean their float32
+    values."""
+    kv = PagedKV(np.random.default_rng(1), [20], num_kv_heads=1, head_dim=64, page_size=16,
+                 kind="float32")
+    q = np.random.default_rng(2).standard_normal((1, 2, 64), dtype=np.float32)
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    expected = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                                alibi_slopes=slopes.float().numpy())
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        out = attention.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.seq_lens,
+                                               alibi_slopes=slopes.to(dtype))
+        np.testing.assert_array_equal(out, expected)  # 0.5 and 0.25 are exact in every dtype
+    o = torch.ones(1, 2, 8)
+    merged, lse = attention.merge_states(o, torch.zeros(1, 2, dtype=torch.float64), o,
+                                         torch.zeros(1, 2, dtype=torch.float64))
+    np.testing.assert_allclose(lse, np.log(2.0), rtol=1e-6)
+    np.testing.assert_allclose(merged, 1.0, rtol=1e-6)
+
+
 def test_out_and_cache_writes_land_in_the_callers_storage():
     k = torch.zeros(4, 1, 16, 64, dtype=torch.bfloat16)
     v = torch.zeros_like(k)
