@@ -17,6 +17,9 @@ class CommandError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
 
 
+_MAX_SLOTS = 2**31 - 1  # the most tokens one pool addresses (int32 slots, int32 page ids)
+
+
 def _gib(nbytes):
     return f"{nbytes / 2**30:.2f} GiB"
 
@@ -55,6 +58,14 @@ def simulate(args, model_of):
     if config.num_pages < 1:
         raise CommandError(f"expected a budget of at least one page ({config.spec.bytes_per_page} B), "
                            f"got {args.memory} B")
+    # The page tables hold int32 slots (page * page_size + offset) and a pool at most 2**31 - 1 pages.
+    for option, nbytes, limit in (("--memory", args.memory, _MAX_SLOTS),
+                                  ("--swap-memory", args.swap_memory, _MAX_SLOTS * args.page_size)):
+        used = option == "--memory" or "paged+swap" in args.policies
+        if used and config.spec.pages_for_budget(nbytes) * args.page_size > limit:
+            largest = limit // args.page_size * config.spec.bytes_per_page
+            raise CommandError(f"expected {option} of at most {_gib(largest)} ({limit:,} tokens of "
+                               f"{model.name}'s KV), got {_gib(nbytes)}")
     print(f"pagekv simulate: {len(requests)} requests from {source}")
     print(f"model {model.name} ({model.num_layers} layers, {model.num_kv_heads} KV heads, head_dim "
           f"{model.head_dim}, {args.dtype}): {config.spec.bytes_per_token} B per token; budget "

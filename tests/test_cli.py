@@ -2,6 +2,7 @@
 simulator's contiguous policy against a hand computation."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -151,6 +152,21 @@ def test_simulate_rejects_an_unknown_policy():
 def test_budget_below_one_page_is_refused(capsys):
     assert main(["simulate", "--memory", "1KiB", "--no-progress"]) == 2
     assert "expected a budget of at least one page" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--memory", "300TiB"], "expected --memory of at most 262144.00 GiB "
+                             r"\(2,147,483,647 tokens of llama-3-8b's KV\), got 307200.00 GiB"),
+    (["--page-size", "1", "--swap-memory", "300TiB"], "expected --swap-memory of at most"),
+])
+def test_budgets_past_what_int32_slots_address_are_refused(capsys, flags, message):
+    assert main(["simulate", *flags, "--no-progress"]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_huge_host_tier_is_no_concern_of_policies_without_it(capsys):
+    assert main(["simulate", "--swap-memory", "300TiB", "--page-size", "1", "--limit", "2",
+                 "--policies", "paged", "--no-progress"]) == 0
 
 
 def _swap_run(**cost):
