@@ -3,6 +3,8 @@ value here that applies to it, and checks the call works or raises "expected ...
 
 import numpy as np
 
+from pagekv import PagekvError
+
 
 def _strided(a):
     return a[..., ::2] if a.ndim and a.shape[-1] > 1 else a[None]
@@ -49,3 +51,20 @@ READ_ONLY = ("read-only", FLOATS, _read_only)
 # Wrong lists of sequence ids, for the arguments that take one.
 SEQ_ID_LISTS = [("a repeated id", ["a", "a"]), ("an unknown id", ["a", "zz"]), ("a str", "ab"),
                 ("a dict", {"a": 1}), ("a set", {"a"}), ("an unhashable id", [["a"]])]
+
+
+def refusal_problem(call, state):
+    """What is wrong with how ``call()`` took a wrong argument, or None: it must work, or raise
+    ValueError/TypeError/PagekvError saying "expected ..." with ``state()`` as before — never an
+    error from deeper down (numpy, Numba, iteration, an attribute)."""
+    before = state()
+    try:
+        call()
+    except (ValueError, TypeError, PagekvError) as exc:
+        if "expected" not in str(exc):
+            return repr(exc)
+        if state() != before:
+            return f"refused ({exc}) but changed the state"
+    except Exception as exc:  # noqa: BLE001  # any other error is the finding
+        return repr(exc)
+    return None
