@@ -8,6 +8,7 @@ environment compiles (see :func:`warmup`), later processes load the cached machi
 import os as _os
 import pathlib as _pathlib
 
+from pagekv.kernels import _cache_dir
 from pagekv.kernels._stale_cache import drop_stale_cache as _drop_stale_cache
 
 __all__ = ["warmup"]
@@ -15,6 +16,7 @@ __all__ = ["warmup"]
 # The default cache location of Numba (NUMBA_CACHE_DIR moves it, and then it is the user's to manage).
 if not _os.environ.get("NUMBA_CACHE_DIR"):
     _drop_stale_cache(_pathlib.Path(__file__).parent, _pathlib.Path(__file__).parent / "__pycache__")
+_cache_dir.ensure(_pathlib.Path(__file__).parent)  # before any kernel is defined
 
 
 def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, processes=None,

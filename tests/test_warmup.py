@@ -105,3 +105,30 @@ def test_the_progress_bar_shows_when_asked_or_when_compiling(capsys, monkeypatch
     assert "pagekv kernels" in capsys.readouterr().err
     warmup(**options, progress=False)
     assert "pagekv kernels" not in capsys.readouterr().err
+
+
+def test_a_cache_folder_is_found_where_numba_has_none(tmp_path):
+    """A read-only install run without a writable home: Numba has nowhere to cache and refused
+    to define the kernels; pagekv then names a folder of the temporary directory. (Unwritable
+    here means under a file, which stops root too.)"""
+    from pagekv.kernels import _cache_dir
+
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    writable_dir, fallback = tmp_path / "ok", tmp_path / "fallback"
+    assert _cache_dir.choose(blocked / "in-tree", blocked / "home", fallback) == fallback
+    assert _cache_dir.choose(writable_dir, blocked / "home", fallback) is None
+    assert _cache_dir.choose(blocked / "in-tree", writable_dir, fallback) is None
+    assert _cache_dir.choose(blocked / "in-tree", blocked / "home", blocked / "tmp") is None
+
+
+def test_numba_is_pointed_at_the_fallback_before_any_kernel_exists(tmp_path, monkeypatch):
+    from pagekv.kernels import _cache_dir
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "")  # unset as far as ensure() sees; restored after
+    monkeypatch.setattr(_cache_dir, "choose", lambda *folders: tmp_path)
+    import numba
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)
+    _cache_dir.ensure(tmp_path)
+    assert os.environ["NUMBA_CACHE_DIR"] == numba.config.CACHE_DIR == str(tmp_path)
