@@ -2,6 +2,7 @@
 simulator's contiguous policy against a hand computation."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -135,6 +136,19 @@ def test_info_and_bench(capsys, monkeypatch):
     # K and V in one array read each page twice from cache and counted it twice: 139% of the roof
     s1 = [(k, v) for k, v in caches if k.shape[0] == 16 * 128]  # not warmup()'s tiny caches
     assert len(s1) >= 2 and not any(np.shares_memory(k, v) for k, v in s1)
+
+
+def test_info_finds_the_kernels_under_numba_cache_dir(tmp_path):
+    """Numba files a NUMBA_CACHE_DIR cache in a subfolder named after the kernels' folder: info
+    reports that folder and what it holds (it looked at the top and saw nothing)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    compile_one = ("import numpy as np; from pagekv.kernels.bandwidth import stream_sum; "
+                   "stream_sum(np.ones(64, np.float32), 1)")
+    subprocess.run([sys.executable, "-c", compile_one], check=True, cwd=tmp_path, env=env)
+    out = subprocess.run([sys.executable, "-m", "pagekv.cli", "info"], check=True, cwd=tmp_path,
+                         env=env, capture_output=True, text=True).stdout
+    assert f"cache      {tmp_path}{os.sep}kernels_" in out
+    assert "compiled   bandwidth" in out
 
 
 def test_the_installed_command_explains_itself():
