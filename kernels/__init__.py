@@ -5,7 +5,6 @@ The kernels trust their input: shapes, dtypes and page ids are validated by the 
 environment compiles (see :func:`warmup`), later processes load the cached machine code.
 """
 
-import os as _os
 import pathlib as _pathlib
 
 from pagekv.kernels import _cache_dir
@@ -13,10 +12,10 @@ from pagekv.kernels._stale_cache import drop_stale_cache as _drop_stale_cache
 
 __all__ = ["warmup"]
 
-# The default cache location of Numba (NUMBA_CACHE_DIR moves it, and then it is the user's to manage).
-if not _os.environ.get("NUMBA_CACHE_DIR"):
-    _drop_stale_cache(_pathlib.Path(__file__).parent, _pathlib.Path(__file__).parent / "__pycache__")
-_cache_dir.ensure(_pathlib.Path(__file__).parent)  # before any kernel is defined
+# Before any kernel is defined: a writable cache folder for Numba, cleared of machine code compiled
+# from other sources (wherever it is: next to the kernels, under NUMBA_CACHE_DIR, or the fallback).
+_cache_dir.ensure(_pathlib.Path(__file__).parent)
+_drop_stale_cache(_pathlib.Path(__file__).parent, _cache_dir.kernels_cache(_pathlib.Path(__file__).parent))
 
 
 def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, processes=None,

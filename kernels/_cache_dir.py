@@ -6,8 +6,12 @@ user without a writable home, as in containers run under an arbitrary uid — it
 the kernel at all, and ``import pagekv.attention`` failed with "cannot cache function ...: no
 locator available" (measured: a wheel installed by root, run as ``nobody``). pagekv then points
 Numba at a folder of the temporary directory, and says so once.
+
+:func:`kernels_cache` names the folder the kernels' files land in, wherever that is, so that
+kernels/_stale_cache.py can keep it fresh.
 """
 
+import hashlib
 import logging
 import os
 import pathlib
@@ -58,3 +62,14 @@ def ensure(kernels_folder: pathlib.Path) -> None:
     LOGGER.warning("pagekv: neither %s nor %s is writable; compiled kernels are cached in %s "
                    "(set NUMBA_CACHE_DIR to choose)", kernels_folder / "__pycache__", user_wide,
                    folder)
+
+
+def kernels_cache(kernels_folder: pathlib.Path) -> pathlib.Path:
+    """The folder Numba files the kernels of ``kernels_folder`` in: its ``__pycache__``, or under
+    NUMBA_CACHE_DIR a subfolder named as Numba names it (the folder's name and the SHA-1 of its
+    absolute path; were Numba to change that, the name points nowhere and nothing is dropped)."""
+    root = os.environ.get("NUMBA_CACHE_DIR")
+    if not root:
+        return kernels_folder / "__pycache__"
+    absolute = os.path.abspath(kernels_folder)
+    return pathlib.Path(root) / f"{os.path.basename(absolute)}_{hashlib.sha1(absolute.encode()).hexdigest()}"

@@ -1,6 +1,7 @@
 """Numba's kernel cache: emptied when any kernel source changes (Numba itself would not notice),
 and found again by every new process."""
 
+import os
 import subprocess
 import sys
 
@@ -44,3 +45,32 @@ def test_every_process_computes_the_same_cache_keys_for_the_kernels(tmp_path):
     keys = [subprocess.run([sys.executable, "-c", _CLOSURE_KEYS], capture_output=True, text=True,
                            check=True, cwd=tmp_path).stdout for _ in range(2)]
     assert keys[0] == keys[1] and keys[0].count("\n") == 8  # 4 kinds of kernel, decode and prefill
+
+
+_WHERE_NUMBA_CACHES = """
+import pathlib
+import pagekv.kernels
+from pagekv.kernels import _cache_dir
+from pagekv.kernels.bandwidth import stream_sum
+folder = pathlib.Path(pagekv.kernels.__file__).parent
+print(_cache_dir.kernels_cache(folder) == pathlib.Path(stream_sum._cache._cache_path))
+"""
+
+
+def test_a_numba_cache_dir_is_kept_fresh_too(tmp_path):
+    """Under NUMBA_CACHE_DIR (set by a user, or by pagekv where nothing else is writable) the
+    kernels' files land in a subfolder named as Numba names it; that subfolder is emptied of
+    machine code from other sources like the default one."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, cwd=tmp_path, env=env).stdout
+
+    assert run(_WHERE_NUMBA_CACHES).strip() == "True"
+    kernels = next((tmp_path / "cache").glob("kernels_*"))
+    (kernels / STAMP).write_text("the digest of other sources")
+    (kernels / "attention.decode-1.py311.nbi").write_text("stale index")
+    run("import pagekv.kernels")
+    assert not (kernels / "attention.decode-1.py311.nbi").exists()
+    assert (kernels / STAMP).read_text() != "the digest of other sources"
