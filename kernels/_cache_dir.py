@@ -58,7 +58,8 @@ def ensure(kernels_folder: pathlib.Path) -> None:
     folder = choose(kernels_folder / "__pycache__", user_wide, fallback_folder())
     if folder is None:
         return
-    os.environ["NUMBA_CACHE_DIR"] = numba.config.CACHE_DIR = str(folder)
+    os.environ["NUMBA_CACHE_DIR"] = str(folder)
+    numba.config.CACHE_DIR = str(folder)  # type: ignore[attr-defined]  # set from the environment
     LOGGER.warning("pagekv: neither %s nor %s is writable; compiled kernels are cached in %s "
                    "(set NUMBA_CACHE_DIR to choose)", kernels_folder / "__pycache__", user_wide,
                    folder)

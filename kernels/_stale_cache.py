@@ -29,7 +29,9 @@ def drop_stale_cache(folder: pathlib.Path, cache_dir: pathlib.Path) -> bool:
     try:
         if stamp.exists() and stamp.read_text() == digest:
             return False
-        if not cache_dir.exists():
+        if not cache_dir.exists():  # an empty cache is fresh: stamp it, or the next process
+            cache_dir.mkdir(parents=True)  # would drop what this one compiles into it
+            stamp.write_text(digest)
             return False
         for path in list(cache_dir.glob("*.nbi")) + list(cache_dir.glob("*.nbc")):
             path.unlink()

@@ -38,6 +38,16 @@ def test_cache_is_dropped_when_a_source_changes_and_kept_otherwise(tmp_path):
     assert (cache / STAMP).read_text() == sources_digest(sources)
 
 
+def test_a_cache_folder_made_now_is_stamped_so_what_compiles_into_it_is_kept(tmp_path):
+    sources, cache = tmp_path / "kernels", tmp_path / "cache" / "kernels_0123"
+    sources.mkdir()
+    (sources / "attention.py").write_text("x = 1\n")
+    assert not drop_stale_cache(sources, cache)
+    (cache / "attention.decode-1.py311.nbi").write_text("compiled after the stamp")
+    assert not drop_stale_cache(sources, cache)  # the next process keeps it
+    assert (cache / "attention.decode-1.py311.nbi").exists()
+
+
 def test_every_process_computes_the_same_cache_keys_for_the_kernels(tmp_path):
     """A kernel whose closure held a dispatcher (pickled with a random id per process) was never
     found in the on-disk cache: warmup() recompiled decode and prefill in every process. (Run in
