@@ -9,7 +9,7 @@ import numpy as np
 from pagekv import _arrays
 from pagekv.spec import KVCacheSpec, pool_shape
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "check_fits_in_memory"]
 
 _STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -24,6 +24,15 @@ def _available_memory() -> int | None:
     except OSError:
         pass
     return None
+
+
+def check_fits_in_memory(nbytes: int, what: str, got: str) -> None:
+    """MemoryError "expected {what} within the ... GiB available, got {got}", before any memory
+    is touched, when ``nbytes`` exceed what the OS reports available (numpy's zeros would succeed
+    and the process would be killed later, as pages are written)."""
+    available = _available_memory()
+    if available is not None and nbytes > available:
+        raise MemoryError(f"expected {what} within the {available / 2**30:.1f} GiB available, got {got}")
 
 
 class KVCache:
@@ -61,11 +70,8 @@ class KVCache:
             self.data = _caller_storage(storage, shape, spec.dtype)
             return
         nbytes = self.num_pages * spec.bytes_per_page
-        available = _available_memory()
-        if available is not None and nbytes > available:
-            raise MemoryError(f"expected a KV cache within the {available / 2**30:.1f} GiB available, "
-                              f"got {self.num_pages} pages x {spec.bytes_per_page} B = "
-                              f"{nbytes / 2**30:.1f} GiB")
+        check_fits_in_memory(nbytes, "a KV cache", f"{self.num_pages} pages x {spec.bytes_per_page} B "
+                             f"= {nbytes / 2**30:.1f} GiB")
         self.data = _arrays.zeros_on_line(shape, _STORAGE[spec.dtype])
 
     @property

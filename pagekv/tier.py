@@ -26,6 +26,7 @@ from collections import OrderedDict
 import numpy as np
 
 from pagekv._alloc import PageAllocator
+from pagekv.cache import _STORAGE, check_fits_in_memory
 from pagekv.errors import PagekvError
 from pagekv.spec import KVCacheSpec, pool_shape
 
@@ -36,7 +37,6 @@ VERSION = 1
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIIIIIQQQI")  # magic .. map CRC; the header CRC follows it
 _DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _MAP_ENTRY = np.dtype([("key", "S16"), ("crc", "<u4"), ("pad", "<u4"), ("stamp", "<u8")])
 
 
@@ -70,6 +70,11 @@ class OffloadTier:
     def __init__(self, spec: KVCacheSpec, num_pages: int, *, path=None) -> None:
         self.spec = spec
         self.num_pages = pool_shape(spec, num_pages)[2]
+        if path is None:
+            nbytes = self.num_pages * spec.bytes_per_page
+            check_fits_in_memory(nbytes, "a RAM tier (path= puts one in a file)",
+                                 f"{self.num_pages} pages x {spec.bytes_per_page} B = "
+                                 f"{nbytes / 2**30:.1f} GiB")
         self.allocator = PageAllocator(self.num_pages)
         self.prefixes: OrderedDict[bytes, int] = OrderedDict()
         self.path = None if path is None else os.fspath(path)

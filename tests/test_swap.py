@@ -289,6 +289,15 @@ def test_every_wrong_argument_is_refused_cleanly(method):
     assert not wrong, "\n".join(wrong)
 
 
+def test_a_ram_tier_larger_than_memory_fails_before_touching_it(tmp_path):
+    spec = KVCacheSpec(dtype="float32", num_layers=80, num_kv_heads=8, head_dim=128, page_size=16)
+    with pytest.raises(MemoryError, match=r"expected a RAM tier \(path= puts one in a file\) within "
+                                          r"the .* GiB available, got 10000000 pages x"):
+        OffloadTier(spec, 10**7)  # 100 TB
+    small = KVCacheSpec(dtype="float32", **SPEC)
+    assert OffloadTier(small, 4, path=tmp_path / "tier").num_pages == 4  # a file is not checked
+
+
 def test_manager_attach_and_restore_cached_refuse_bad_input_and_change_nothing():
     m = KVCacheManager(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=8)
     m.add_sequence("a", list(range(9)))
