@@ -214,6 +214,13 @@ def test_a_bad_pool_size_or_flag_is_refused_and_the_model_keeps_its_attention(ll
     assert llama.config._attn_implementation == "sdpa"
 
 
+def test_a_pool_larger_than_memory_is_refused_before_touching_it(llama):
+    with pytest.raises(MemoryError, match=r"expected a page pool within the .* GiB available, "
+                                          r"got num_pages=100000000 x"):
+        PagedKVPool(llama, num_pages=10**8)
+    assert llama.config._attn_implementation == "sdpa"
+
+
 def test_inputs_embeds_only_is_refused(llama):
     pool = PagedKVPool(llama, num_pages=16)
     embeds = llama.get_input_embeddings()(torch.tensor([[5, 6, 7]]))
