@@ -112,12 +112,13 @@ def _in_cache(dispatcher):
     return any(key[1:] == wanted for key in cache._cache_file._load_index())
 
 
-def announce_compile(dispatcher, what):
-    """Log a warning (once per kernel and process) when the call about to run ``dispatcher`` will
-    compile it: nothing compiled or loaded in this process yet, and nothing for this CPU in Numba's
-    disk cache. A decode or prefill kernel compiles for 20-60 s, which a caller would otherwise
-    take for a hang. Python's logging prints warnings on stderr unless told otherwise
-    (``logging.getLogger("pagekv")``). Costs a set lookup once the kernel is known."""
+def announce_compile(dispatcher, kind, operation):
+    """Log a warning (once per kernel and process) when the call about to run ``dispatcher`` (the
+    ``operation`` kernel of storage ``kind``) will compile it: nothing compiled or loaded in this
+    process yet, and nothing for this CPU in Numba's disk cache. A decode or prefill kernel
+    compiles for 20-60 s, which a caller would otherwise take for a hang. Python's logging prints
+    warnings on stderr unless told otherwise (``logging.getLogger("pagekv")``). Costs a set
+    lookup once the kernel is known."""
     if id(dispatcher) in _announced:
         return
     _announced.add(id(dispatcher))
@@ -130,7 +131,7 @@ def announce_compile(dispatcher, what):
     if not cached:
         LOGGER.warning("pagekv: compiling the %s kernel for this CPU, once: about a minute (Numba "
                        "keeps it on disk for later processes; pagekv.kernels.warmup() compiles "
-                       "ahead of time)", what)
+                       "ahead of time)", f"{kind} {operation}")
 
 
 def progress_bar(total, *, disable):

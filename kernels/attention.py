@@ -230,7 +230,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     kernels/_tile_ir.py), when the shape allows.
     """
     kind = kernel_kind(k_cache, kv_format, dot_products)
-    _warm.announce_compile(_DECODE[kind], f"{kind} decode")
+    _warm.announce_compile(_DECODE[kind], kind, "decode")
     _DECODE[kind](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_indptr, scale, window,
         soft_cap, alibi_slopes, out, lse, part_out, part_lse, prefetch_blocks, get_num_threads())
@@ -365,7 +365,7 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
     dot_products : bool, as in :func:`decode`.
     """
     kind = kernel_kind(k_cache, kv_format, dot_products)
-    _warm.announce_compile(_PREFILL[kind], f"{kind} prefill")
+    _warm.announce_compile(_PREFILL[kind], kind, "prefill")
     _PREFILL[kind](
         q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr, scale,
         window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, get_num_threads())

@@ -10,8 +10,7 @@ The log-sum-exp values (``return_lse``, ``merge_states``) use the natural logari
 
 import math
 import numbers
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -209,14 +208,17 @@ def _prefetch_blocks(prefetch, cache) -> tuple[int, int]:
 
     True means PREFETCH_BYTES, False or 0 none; a distance rounds up to whole blocks.
     """
-    if isinstance(prefetch, (bool, np.bool_)):
-        prefetch = PREFETCH_BYTES * bool(prefetch)
-    if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+    if prefetch is True:  # the default, first: this runs on every call
+        distance = PREFETCH_BYTES
+    elif isinstance(prefetch, (bool, np.bool_)):
+        distance = PREFETCH_BYTES * bool(prefetch)
+    elif isinstance(prefetch, (int, np.integer)) and prefetch >= 0:
+        distance = min(int(prefetch), 2**62)  # further than any visit order, within int64
+    else:
         raise ValueError(f"expected prefetch a bool or a number of bytes >= 0, got {prefetch!r}")
     block_bytes = cache.shape[2] * cache.shape[3] * cache.itemsize  # not strides: 0 in an empty cache
-    prefetch = min(int(prefetch), 2**62)  # further than any visit order, within int64
-    ahead = -(-int(prefetch) // block_bytes)
-    again = -(-int(prefetch) // PREFETCH_AGAIN_FRACTION // block_bytes)
+    ahead = -(-distance // block_bytes)
+    again = -(-distance // PREFETCH_AGAIN_FRACTION // block_bytes)
     return ahead, again if again < ahead and block_bytes >= PREFETCH_AGAIN_MIN_BLOCK else 0
 
 
@@ -262,11 +264,22 @@ class DecodePlan:
     num_parts: int
     page_size: int
     window: int
+    # Set only by _new_plan: the kernels trust a plan's work items, so a DecodePlan built by hand
+    # (or by dataclasses.replace, which runs __init__) is refused rather than read.
+    _made_by_plan_decode: bool = field(default=False, init=False, repr=False)
 
 
-# The plans plan_decode made: the kernels trust a plan's work items, so a DecodePlan built by hand
-# (or by dataclasses.replace) is refused rather than read.
-_PLANS: "weakref.WeakSet[DecodePlan]" = weakref.WeakSet()
+def _new_plan(lens, page_size, window, threads):
+    """A DecodePlan for checked int32 ``lens`` (>= 0), page_size >= 1, window (0: none) and
+    thread count."""
+    num_slots = threads * _slots.SLOTS_PER_THREAD  # claimed by the threads as they come free
+    min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
+    items, slot_indptr, split_seqs, num_parts = _plan.plan_decode(
+        lens, page_size, window, num_slots, min_chunk)
+    plan = DecodePlan(lens.copy(), items, slot_indptr, split_seqs, int(num_parts), int(page_size),
+                      window)
+    object.__setattr__(plan, "_made_by_plan_decode", True)  # frozen: set past __init__
+    return plan
 
 
 def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
@@ -293,14 +306,7 @@ def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
         raise ValueError(f"expected page_size a positive integer, got {page_size!r}")
     window = _window(sliding_window)
     threads = numba.get_num_threads() if num_threads is None else _positive_int(num_threads, "num_threads")
-    num_slots = threads * _slots.SLOTS_PER_THREAD  # claimed by the threads as they come free
-    min_chunk = max(1, MIN_SPLIT_TOKENS // page_size)
-    items, slot_indptr, split_seqs, num_parts = _plan.plan_decode(
-        lens, page_size, window, num_slots, min_chunk)
-    plan = DecodePlan(lens.copy(), items, slot_indptr, split_seqs, int(num_parts), int(page_size),
-                      window)
-    _PLANS.add(plan)
-    return plan
+    return _new_plan(lens, page_size, window, threads)
 
 
 # ---------------------------------------------------------------------------------------- attention
@@ -377,9 +383,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     num_seqs, num_q_heads = q32.shape[:2]
     table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
     return_lse = _flag(return_lse, "return_lse")
-    if plan is None:
-        plan = plan_decode(lens, page_size=page_size, sliding_window=sliding_window)
-    elif not isinstance(plan, DecodePlan) or plan not in _PLANS:
+    if plan is None:  # lens and window are checked already
+        plan = _new_plan(lens, page_size, window, numba.get_num_threads())
+    elif not isinstance(plan, DecodePlan) or not plan._made_by_plan_decode:
         raise TypeError(f"expected plan None or a DecodePlan from plan_decode, got "
                         f"{'one made elsewhere' if isinstance(plan, DecodePlan) else type(plan).__name__}")
     elif ((plan.page_size, plan.window) != (page_size, window)
@@ -393,7 +399,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     _threads.start()
     kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
     if _amx_attention.applies_to_decode(k, kv_format, dot_products, num_q_heads // num_kv_heads):
-        _warm.announce_compile(_amx_attention.decode, "bfloat16 AMX decode")
+        _warm.announce_compile(_amx_attention.decode, "bfloat16 AMX", "decode")
         _amx_attention.decode(q32, k, v, table, lens, plan.items, plan.slot_indptr, scale, window,
                               cap, slopes, buffer, lse, part_out, part_lse, _prefetch_blocks(prefetch, k))
     else:
@@ -459,7 +465,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     _threads.start()
     kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
     if _amx_attention.applies(k, kv_format, dot_products):  # CPUs with AMX: kernels/_amx.py
-        _warm.announce_compile(_amx_attention.prefill, "bfloat16 AMX prefill")
+        _warm.announce_compile(_amx_attention.prefill, "bfloat16 AMX", "prefill")
         _amx_attention.prefill(q32, k, v, table, lens, indptr, items, slot_indptr, scale, window, cap,
                                slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0])
     else:

@@ -13,7 +13,7 @@ _ANNOUNCE_TWICE = """
 from pagekv.kernels import _warm
 from pagekv.kernels import attention as kernels
 for _ in range(2):
-    _warm.announce_compile(kernels._DECODE["float32"], "float32 decode")
+    _warm.announce_compile(kernels._DECODE["float32"], "float32", "decode")
 """
 _COMPILED_IN_EMPTY_CACHE = """
 from pagekv.kernels import _warm
