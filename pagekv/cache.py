@@ -26,13 +26,15 @@ def _available_memory() -> int | None:
     return None
 
 
-def check_fits_in_memory(nbytes: int, what: str, got: str) -> None:
-    """MemoryError "expected {what} within the ... GiB available, got {got}", before any memory
-    is touched, when ``nbytes`` exceed what the OS reports available (numpy's zeros would succeed
-    and the process would be killed later, as pages are written)."""
+def check_fits_in_memory(what: str, num_pages: int, bytes_per_page: int) -> None:
+    """MemoryError "expected {what} within the ... GiB available, got N pages x B = ... GiB",
+    before any memory is touched, when the pages exceed what the OS reports available (numpy's
+    zeros would succeed and the process would be killed later, as pages are written)."""
+    nbytes = num_pages * bytes_per_page
     available = _available_memory()
     if available is not None and nbytes > available:
-        raise MemoryError(f"expected {what} within the {available / 2**30:.1f} GiB available, got {got}")
+        raise MemoryError(f"expected {what} within the {available / 2**30:.1f} GiB available, got "
+                          f"{num_pages} pages x {bytes_per_page} B = {nbytes / 2**30:.1f} GiB")
 
 
 class KVCache:
@@ -69,9 +71,7 @@ class KVCache:
         if storage is not None:
             self.data = _caller_storage(storage, shape, spec.dtype)
             return
-        nbytes = self.num_pages * spec.bytes_per_page
-        check_fits_in_memory(nbytes, "a KV cache", f"{self.num_pages} pages x {spec.bytes_per_page} B "
-                             f"= {nbytes / 2**30:.1f} GiB")
+        check_fits_in_memory("a KV cache", self.num_pages, spec.bytes_per_page)
         self.data = _arrays.zeros_on_line(shape, _STORAGE[spec.dtype])
 
     @property

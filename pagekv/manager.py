@@ -669,10 +669,10 @@ def id_list(seq_ids, *, distinct=False) -> list:
     return ids
 
 
-def hashable_id(seq_id):
+def hashable_id(seq_id, name="seq_id"):
     """``seq_id`` itself, or TypeError saying a sequence id must be hashable (a dict key)."""
     if not _is_hashable(seq_id):
-        raise TypeError(f"expected a hashable seq_id, got {type(seq_id).__name__} {seq_id!r:.80}")
+        raise TypeError(f"expected a hashable {name}, got {type(seq_id).__name__} {seq_id!r:.80}")
     return seq_id
 
 
@@ -693,10 +693,7 @@ def _is_held(rows, seq_id):
 
 def _new_id(rows, seq_id, name) -> bool:
     """Whether a hashable ``seq_id`` is held already; TypeError if it cannot be a dict key."""
-    try:
-        return seq_id in rows
-    except TypeError:
-        raise TypeError(f"expected a hashable {name}, got {type(seq_id).__name__} {seq_id!r}") from None
+    return hashable_id(seq_id, name) in rows
 
 
 def _page_set(keep) -> set:

@@ -71,10 +71,8 @@ class OffloadTier:
         self.spec = spec
         self.num_pages = pool_shape(spec, num_pages)[2]
         if path is None:
-            nbytes = self.num_pages * spec.bytes_per_page
-            check_fits_in_memory(nbytes, "a RAM tier (path= puts one in a file)",
-                                 f"{self.num_pages} pages x {spec.bytes_per_page} B = "
-                                 f"{nbytes / 2**30:.1f} GiB")
+            check_fits_in_memory("a RAM tier (path= puts one in a file)", self.num_pages,
+                                 spec.bytes_per_page)
         self.allocator = PageAllocator(self.num_pages)
         self.prefixes: OrderedDict[bytes, int] = OrderedDict()
         self.path = None if path is None else os.fspath(path)

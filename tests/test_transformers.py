@@ -216,7 +216,7 @@ def test_a_bad_pool_size_or_flag_is_refused_and_the_model_keeps_its_attention(ll
 
 def test_a_pool_larger_than_memory_is_refused_before_touching_it(llama):
     with pytest.raises(MemoryError, match=r"expected a page pool within the .* GiB available, "
-                                          r"got num_pages=100000000 x"):
+                                          r"got 100000000 pages x"):
         PagedKVPool(llama, num_pages=10**8)
     assert llama.config._attn_implementation == "sdpa"
 

@@ -202,9 +202,7 @@ class PagedKVPool:
             page_size=page_size, dtype=_DTYPES[model.dtype])
         shape = pool_shape(self.spec, num_pages)  # checks num_pages
         num_pages = shape[2]
-        nbytes = num_pages * self.spec.bytes_per_page
-        check_fits_in_memory(nbytes, "a page pool", f"num_pages={num_pages} x "
-                             f"{self.spec.bytes_per_page} B = {nbytes / 2**30:.1f} GiB")
+        check_fits_in_memory("a page pool", num_pages, self.spec.bytes_per_page)
         max_tokens = getattr(config, "max_position_embeddings", None) or num_pages * page_size
         self.manager = KVCacheManager(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
                                       max_pages_per_seq=min(num_pages, -(-max_tokens // page_size)),
