@@ -222,20 +222,6 @@ def plan(args, model_of):
     return 0
 
 
-def _kernel_cache_dir():
-    """The folder Numba caches pagekv's kernels in: next to them, or under NUMBA_CACHE_DIR (in a
-    subfolder named after theirs), as a kernel's own cache reports it."""
-    import pathlib
-
-    import pagekv.kernels
-    from pagekv.kernels.bandwidth import stream_sum
-
-    try:
-        return pathlib.Path(stream_sum._cache._cache_path)  # Numba's internals: else the default
-    except AttributeError:
-        return pathlib.Path(pagekv.kernels.__file__).parent / "__pycache__"
-
-
 # ------------------------------------------------------------------------------------- bench
 def bench(args, model_of=None):
     from pagekv import PageAllocator, attention
@@ -293,12 +279,14 @@ def _timed(fn):
 def info(args, model_of=None):
     import importlib.metadata
     import os
+    import pathlib
     import platform
 
     import llvmlite.binding as llvm  # type: ignore[import-untyped]
     import numba
 
-    from pagekv.kernels import threads
+    import pagekv.kernels
+    from pagekv.kernels import _cache_dir, threads
 
     threads.start()  # as a kernel call would (pagekv/kernels/threads.py: why nesting is off)
     versions = {name: importlib.metadata.version(name)
@@ -316,7 +304,7 @@ def info(args, model_of=None):
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bf16", "neon", "sve"]
     print(f"cpu        {llvm.get_host_cpu_name()}: "
           + " ".join(f for f in wanted if features.get(f, False)))
-    cache_dir = _kernel_cache_dir()
+    cache_dir = _cache_dir.kernels_cache(pathlib.Path(pagekv.kernels.__file__).parent)
     cached = sorted(p.stem.split(".")[0] for p in cache_dir.glob("*.nbi")) if cache_dir.exists() else []
     print(f"cache      {cache_dir}")
     print(f"compiled   {', '.join(sorted(set(cached))) if cached else 'nothing yet (pagekv bench or pagekv.kernels.warmup() compiles)'}")
