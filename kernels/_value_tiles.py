@@ -166,28 +166,24 @@ def _make_pv_tile(*, storage=PAIRED):
 def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf):
     """acc += p @ v for one accumulator row, value rows in memory order (all chunks of a row pair,
     then the next pair), the accumulator row in ROW_REGISTERS registers (head_dim <= 256); pf:
-    the addresses of the blocks to prefetch.
-
-    One loop per head_dim (a multiple of 16 up to 256), chosen once: the loop's chunks are
-    unrolled with no test inside. One loop for all head_dims tested each of the 8 possible
-    chunks against head_dim for every token pair, and at small head_dim the tests outnumbered
-    the work. MHA decode from L2 (AMD EPYC Zen 4, paired rounds), FMA tiles' time ÷ vdpbf16ps
-    tiles': head_dim 64 (S3) 0.81 -> 1.03, 80 0.89 -> 1.05, 128 1.01 -> 1.12, 256 1.16 -> 1.17;
-    S3 against the one loop, processes alternating, 0.86x the time. From memory S3 took
-    1.03-1.07x the time in three such runs (FMA ÷ vdpbf16ps 0.99 -> 0.91), head_dim 80 and 128
-    alike: a faster loop over the same reads, with the same prefetches, read memory no faster."""
-    for head_dim in range(LANES, ROW_REGISTERS * LANES + 1, LANES):
-        with builder.if_then(builder.icmp_unsigned("==", dims, ir.Constant(I64, head_dim))):
-            _values_in_order_of(builder, head_dim, n, num_pairs, v_first, v_step, p_first,
-                                acc_first, pf)
-
-
-def _values_in_order_of(builder, head_dim, n, num_pairs, v_first, v_step, p_first, acc_first, pf):
-    """:func:`_values_in_order` for one head_dim (a Python int)."""
+    the addresses of the blocks to prefetch."""
     sums = zero_accumulators(builder, ROW_REGISTERS)  # allocas with constant indices: registers
-    # chunk c is 32 wide, the last 16 wide if head_dim % 32 == 16
-    chunks = [(c, min(PAIRS, head_dim - c * PAIRS)) for c in range(-(-head_dim // PAIRS))]
+    full = builder.lshr(dims, ir.Constant(I64, 5))
+    tail = builder.icmp_unsigned("!=", builder.and_(dims, ir.Constant(I64, LANES)), ir.Constant(I64, 0))
     acc = builder.inttoptr(acc_first, F32X16.as_pointer())
+
+    def each_chunk(body):
+        """body(chunk, width) for the row's chunks, unrolled: chunk c is 32 wide if c < full,
+        16 wide if c == full and head_dim % 32 == 16."""
+        for c in range(ROW_REGISTERS // 2):
+            is_full = builder.icmp_unsigned(">", full, ir.Constant(I64, c))
+            with builder.if_else(is_full) as (whole, rest):
+                with whole:
+                    body(c, PAIRS)
+                with rest:
+                    is_tail = builder.and_(tail, builder.icmp_unsigned("==", full, ir.Constant(I64, c)))
+                    with builder.if_then(is_tail):
+                        body(c, LANES)
 
     def load_acc(c, width):
         for h in range(width // LANES):
@@ -201,7 +197,8 @@ def _values_in_order_of(builder, head_dim, n, num_pairs, v_first, v_step, p_firs
 
     def pair_of_rows(pair, row0, row1):
         probs = broadcast_pair(builder, builder.add(p_first, builder.mul(pair, ir.Constant(I64, 4))))
-        for c, width in chunks:
+
+        def chunk(c, width):
             offset = ir.Constant(I64, c * PAIRS * 2)
             rows = []
             for row in (row0, row1):
@@ -215,16 +212,16 @@ def _values_in_order_of(builder, head_dim, n, num_pairs, v_first, v_step, p_firs
                 s = sums[2 * c + h]
                 builder.store(dot_pairs(builder, builder.load(s), pairs, probs), s)
 
-    for c, width in chunks:
-        load_acc(c, width)
+        each_chunk(chunk)
+
+    each_chunk(load_acc)
     with cgutils.for_range(builder, num_pairs) as loop:
         row0 = builder.mul(v_step, builder.mul(loop.index, ir.Constant(I64, 2)))
         pair_of_rows(loop.index, row0, builder.add(row0, v_step))
     odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
     with builder.if_then(odd):
         pair_of_rows(num_pairs, builder.mul(v_step, builder.sub(n, ir.Constant(I64, 1))), None)
-    for c, width in chunks:
-        store_acc(c, width)
+    each_chunk(store_acc)
 
 
 F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
