@@ -44,6 +44,7 @@ import llvmlite.binding as llvm  # type: ignore[import-untyped]
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils
 
+from pagekv.kernels import prefetch
 from pagekv.kernels.prefetch import CACHE_LINE, emit_prefetch
 
 _HOST_FEATURES = llvm.get_host_cpu_features()
@@ -230,9 +231,9 @@ def or_current(builder, blocks, current):
 
 def prefetch_each(builder, blocks, offset):
     """Prefetch block + offset for each of the two block addresses (far ahead into L2, and again
-    nearer into L1: kernels/prefetch.py)."""
+    nearer into L1, or into L2 where NEAR_INTO_L1 says so: kernels/prefetch.py)."""
     for near, block in enumerate(blocks):
-        emit_prefetch(builder, builder.add(block, offset), into_l1=bool(near))
+        emit_prefetch(builder, builder.add(block, offset), into_l1=bool(near) and prefetch.NEAR_INTO_L1)
 
 
 def prefetch_lines(builder, blocks, offset, nbytes):

@@ -27,6 +27,7 @@ goes into L1 (below), and the AMX decode sends both from inside its tile instruc
 (kernels/_amx.py).
 """
 
+import llvmlite.binding as llvm  # type: ignore[import-untyped]
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.extending import intrinsic
@@ -40,6 +41,15 @@ CACHE_LINE = 64
 # (S1/S2/S3 float32, S3/G2 bfloat16), from L2 0.85x (S1 float32) and 0.92x (S3 bfloat16).
 _LOCALITY_L2 = 2
 _LOCALITY_L1 = 3
+# Except on AMD's Zen 4, where the near request into L1 costs what it gains on the Xeon (and a
+# second request into L1 had gained nothing there before, docs/performance.md): processes
+# alternating, from memory, near into L2 ÷ into L1 time: bfloat16 0.90-0.98 (S1 0.92, S2 0.92,
+# S3 0.90-0.96, G3/G7/G8 0.92-0.98; two runs), float32 0.89-1.03 (S1 0.96, S2 0.94-0.98, S3
+# 0.89-0.98); from L2 S1/G8 0.97-1.03 but S3 1.10-1.11; prefill 0.99-1.02. Decode runs from
+# memory, so L2. Zen 5 is assumed to behave alike; the Zen 3 (AVX2) was tuned with the near
+# request in L1 and keeps it there, unmeasured the other way.
+_NEAR_REQUEST_IN_L2 = ("znver4", "znver5")
+NEAR_INTO_L1 = llvm.get_host_cpu_name() not in _NEAR_REQUEST_IN_L2
 
 
 def emit_prefetch(builder, address, into_l1=False):

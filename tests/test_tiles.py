@@ -5,6 +5,7 @@ match float64 to float32 summation error: any wrong lane, pair or row shows up a
 """
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -353,3 +354,28 @@ def test_kernel_kind_takes_the_paired_tiles_only_where_they_apply(kind, page_siz
 
     cache = np.zeros((1, 1, page_size, head_dim), np.float32 if kind == "float32" else np.uint16)
     assert kernel_kind(cache, _arrays.KV_FORMAT[kind], products) == expected
+
+
+@pytest.mark.parametrize("near_into_l1", [True, False])
+@pytest.mark.parametrize("storage", [PAIRED, "float32"])
+def test_near_prefetch_goes_where_near_into_l1_says(monkeypatch, near_into_l1, storage):
+    """The tiles' second, near prefetch is prefetcht0 (LLVM locality 3) with NEAR_INTO_L1, else
+    prefetcht1 (locality 2) like the far one (AMD Zen 4: kernels/prefetch.py); a hint either way,
+    so the scores and sums do not change."""
+    from pagekv.kernels import prefetch
+
+    monkeypatch.setattr(prefetch, "NEAR_INTO_L1", near_into_l1)
+    rng = np.random.default_rng(7)
+    scores, values = _scores_harness(4, storage), _values_harness(storage)  # compiled now
+    if storage == PAIRED:
+        q = _bf16(rng, (4, 64))
+        k, k64 = _nan_padded_rows(rng, 4, 4, 64)
+        out = np.zeros((4, 16), np.float32)
+        scores(q, k, np.float32(1.0), out, k.ctypes.data)
+        np.testing.assert_allclose(out[:, :4], widen(q, "bfloat16") @ k64.T, rtol=1e-5, atol=1e-3)
+    else:
+        _check_fma_scores(scores, rng, 4, 4, 64, storage, 1.0, True)
+        _check_fma_values(values, rng, 4, 64, 13, storage)
+    ir = "".join(scores.inspect_llvm().values())
+    localities = set(re.findall(r"@llvm\.prefetch[.\w]*\([^)]*i32 0, i32 (\d), i32 1\)", ir))
+    assert localities == ({"2", "3"} if near_into_l1 else {"2"})
