@@ -98,18 +98,12 @@ def _make_pv_tile(*, storage=PAIRED):
             halves = width // LANES
             row_bytes = 2 * width
             share = builder.mul(offset, n)  # where this pass's share of the block ahead starts
-
-            def prefetch_share(token, nbytes):
-                ahead = builder.and_(builder.add(share, builder.mul(token, ir.Constant(I64, row_bytes))),
-                                     ir.Constant(I64, -CACHE_LINE))
-                prefetch_lines(builder, pf, ahead, nbytes)
-
             for r in range(rows):
                 for half in range(halves):
                     builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
             with cgutils.for_range(builder, num_pairs) as loop:
                 token = builder.mul(loop.index, ir.Constant(I64, 2))
-                prefetch_share(token, -(-2 * row_bytes // CACHE_LINE) * CACHE_LINE)
+                _prefetch_share(builder, pf, share, token, row_bytes, 2)
                 row0 = builder.add(builder.mul(v_step, token), offset)
                 row1 = builder.add(row0, v_step)
                 accumulate(_interleave(builder, load_row(row0, width), load_row(row1, width), width),
@@ -117,7 +111,7 @@ def _make_pv_tile(*, storage=PAIRED):
             odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
             with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
                 last = builder.sub(n, ir.Constant(I64, 1))
-                prefetch_share(last, -(-row_bytes // CACHE_LINE) * CACHE_LINE)
+                _prefetch_share(builder, pf, share, last, row_bytes, 1)
                 row0 = builder.add(builder.mul(v_step, last), offset)
                 zeros = ir.Constant(ir.VectorType(I16, width), [0] * width)
                 accumulate(_interleave(builder, load_row(row0, width), zeros, width), num_pairs)
@@ -224,6 +218,16 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
     each_chunk(store_acc)
 
 
+def _prefetch_share(builder, pf, share, token, row_bytes, tokens):
+    """Prefetch, in memory order, the lines of a pass's share of the blocks ahead (pf) that stand
+    for ``tokens`` value rows from ``token`` on: the pass reads ``row_bytes`` of each row, and its
+    share starts ``share`` bytes into a block, so token t's part starts share + t * row_bytes
+    (taken down to a line; whole lines)."""
+    ahead = builder.and_(builder.add(share, builder.mul(token, ir.Constant(I64, row_bytes))),
+                         ir.Constant(I64, -CACHE_LINE))
+    prefetch_lines(builder, pf, ahead, -(-tokens * row_bytes // CACHE_LINE) * CACHE_LINE)
+
+
 F32_CHUNKS = 4  # 16-float chunks of a value row per pass of the float32 value tile
 
 
@@ -261,12 +265,10 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
         width = chunks * chunk_bytes  # bytes of a value row this pass reads
         share = builder.mul(v_offset, n)  # where this pass's share of the block ahead starts
 
-        def token(t, prefetch_bytes):
-            """One value row's multiply-adds; before them, ``prefetch_bytes`` of the pass's share of
-            the block ahead from where token t's part of it starts (whole lines)."""
-            ahead = builder.and_(builder.add(share, builder.mul(t, ir.Constant(I64, width))),
-                                 ir.Constant(I64, -CACHE_LINE))
-            prefetch_lines(builder, pf, ahead, prefetch_bytes)
+        def token(t, prefetch_tokens):
+            """One value row's multiply-adds; before them, the pass's share of the block ahead for
+            ``prefetch_tokens`` rows from token t (0: none)."""
+            _prefetch_share(builder, pf, share, t, width, prefetch_tokens)
             row = builder.add(builder.mul(v_step, t), v_offset)
             values = []
             for c in range(chunks):
@@ -290,14 +292,13 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
                 builder.store(builder.load(pointer, align=4), sums[r * per_pass + c])
         # Token pairs: a pair's 2 * width bytes are whole lines (width is a multiple of 32), so
         # each line is asked for once with no test (a test per token cost 1.13x the time from L2).
-        pair_lines = -(-2 * width // CACHE_LINE) * CACHE_LINE
         with cgutils.for_range(builder, builder.lshr(n, ir.Constant(I64, 1))) as loop:
             first = builder.shl(loop.index, ir.Constant(I64, 1))
-            token(first, pair_lines)
+            token(first, 2)
             token(builder.add(first, ir.Constant(I64, 1)), 0)
         odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
         with builder.if_then(odd):  # the last token alone
-            token(builder.sub(n, ir.Constant(I64, 1)), -(-width // CACHE_LINE) * CACHE_LINE)
+            token(builder.sub(n, ir.Constant(I64, 1)), 1)
         for r in range(rows):
             for c in range(chunks):
                 pointer = acc_pointer(r, builder.add(offset, steps[c]))
