@@ -1,11 +1,14 @@
-"""The machine's float32 multiply-add peak on all threads: how fast the attention loops' FMAs
-alone could run (``prefetch_study.py``'s "FMAs at peak" column).
+"""The machine's multiply-add peaks on all threads: float32 FMAs, and bfloat16 pairs by
+vdpbf16ps where the CPU has AVX512-BF16 (32 multiply-adds per instruction, the bfloat16 decode's
+tiles there): how fast the attention loops' multiply-adds alone could run (``prefetch_study.py``'s
+"multiply-adds alone at peak" and "from cache, % of the multiply-add peak" columns).
 
 Numba's vectoriser keeps an array of accumulators in memory (a store and a load around every
 multiply-add), so the loop is written as IR: CHAINS vector accumulators, each multiplied-and-added
 in turn, independent of each other, enough to hide the FMA latency at two per cycle (4 cycles x 2
 on AMD Zen 3). Measured on that EPYC: 5.4 G vector FMAs/s per core, as a C loop of the same
-instructions measured.
+instructions measured. On the AMD EPYC Zen 4 (2 vCPUs): 106-115 GFMA/s float32 (one 16-lane FMA
+per cycle and core) and 216 G bfloat16 multiply-adds/s (6.7 G vdpbf16ps/s, one per cycle and core).
 """
 
 import time
@@ -16,6 +19,8 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from pagekv.kernels import _tile_ir
 
 CHAINS = 12
 # float32 lanes of the widest vector register: AVX-512's 16, AVX2's 8 (a <16 x float> there takes
@@ -45,6 +50,27 @@ def _fma_chains(typingctx, count):
     return types.float32(count), codegen
 
 
+@intrinsic
+def _dot_pair_chains(typingctx, count):
+    """``count`` rounds of one bfloat16-pairs product (vdpbf16ps where the CPU has it,
+    kernels/_tile_ir.py's dot_pairs) on each of CHAINS accumulators: lanes += 1.0 * 1.0 + 0.5 *
+    0.5; returns a lane of their sum."""
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(ir.FloatType(), _tile_ir.LANES)
+        ones = ir.Constant(_tile_ir.I16X32, [0x3F80, 0x3F00] * _tile_ir.LANES)  # bfloat16 1.0, 0.5
+        chains = [cgutils.alloca_once_value(builder, ir.Constant(vector, [float(i)] * _tile_ir.LANES))
+                  for i in range(CHAINS)]
+        with cgutils.for_range(builder, args[0]):
+            for chain in chains:
+                builder.store(_tile_ir.dot_pairs(builder, builder.load(chain), ones, ones), chain)
+        total = builder.load(chains[0])
+        for chain in chains[1:]:
+            total = builder.fadd(total, builder.load(chain))
+        return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+
+    return types.float32(count), codegen
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _on_every_thread(rounds, num_threads):
     total = 0.0
@@ -53,19 +79,50 @@ def _on_every_thread(rounds, num_threads):
     return total
 
 
-def fma_peak(*, rounds=20_000_000, repeats=5):
-    """float32 multiply-adds per second on Numba's threads (best of ``repeats``)."""
+@njit(parallel=True, cache=True, nogil=True)
+def _dot_pairs_on_every_thread(rounds, num_threads):
+    total = 0.0
+    for _ in prange(num_threads):
+        total += _dot_pair_chains(rounds)
+    return total
+
+
+def _best_time(run, rounds, repeats):
     threads = numba.get_num_threads()
-    _on_every_thread(1, threads)
+    run(1, threads)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        _on_every_thread(rounds, threads)
+        run(rounds, threads)
         best = min(best, time.perf_counter() - start)
-    return rounds * CHAINS * WIDTH * threads / best
+    return best
+
+
+def fma_peak(*, rounds=20_000_000, repeats=5):
+    """float32 multiply-adds per second on Numba's threads (best of ``repeats``)."""
+    best = _best_time(_on_every_thread, rounds, repeats)
+    return rounds * CHAINS * WIDTH * numba.get_num_threads() / best
+
+
+def dot_pairs_peak(*, rounds=20_000_000, repeats=5):
+    """bfloat16 multiply-adds per second by vdpbf16ps on Numba's threads (best of ``repeats``),
+    or None where the CPU lacks AVX512-BF16 (there bfloat16 takes the float32 FMAs)."""
+    if not _tile_ir.HAS_AVX512_BF16:
+        return None
+    best = _best_time(_dot_pairs_on_every_thread, rounds, repeats)
+    return rounds * CHAINS * 2 * _tile_ir.LANES * numba.get_num_threads() / best
+
+
+def multiply_add_peak(kind):
+    """The multiply-add peak of the decode tiles for KV dtype ``kind``: the bfloat16 pairs' where
+    bfloat16 takes vdpbf16ps, else float32 FMAs (a float16 or bfloat16 row is widened first)."""
+    return (kind == "bfloat16" and dot_pairs_peak()) or fma_peak()
 
 
 if __name__ == "__main__":
-    peak = fma_peak()
+    peak, pairs = fma_peak(), dot_pairs_peak()
     print(f"{peak / 1e9:.0f} GFMA/s float32 on {numba.get_num_threads()} threads "
           f"({peak / 1e9 / numba.get_num_threads() / WIDTH:.2f} G {WIDTH}-lane FMAs/s per thread)")
+    if pairs is not None:
+        print(f"{pairs / 1e9:.0f} G bfloat16 multiply-adds/s by vdpbf16ps "
+              f"({pairs / 1e9 / numba.get_num_threads() / 32:.2f} G instructions/s per thread)")

@@ -12,8 +12,10 @@ arithmetic with no memory traffic, the ceiling the loops set whatever the memory
 of the same pages in the kernel's visit order with its prefetch stream, on the random pages and on
 consecutive ones ("visit order, sum only": the memory traffic with no arithmetic, and what random
 page order costs that traffic by itself). The table gives GB/s as shares of the roof and median
-times as ratios to contiguous; the last column, the speed decode's multiply-adds alone would allow
-at the machine's FMA peak (fma_peak.py, measured once at the start) as a share of the roof.
+times as ratios to contiguous; the last two columns, the speed decode's multiply-adds alone would
+allow at the machine's multiply-add peak for that dtype (fma_peak.py, measured once at the start:
+float32 FMAs, or vdpbf16ps for bfloat16 where the CPU has it) as a share of the roof, and the
+multiply-adds the kernel does from cache as a share of that peak.
 The second table reads 512 MiB in chunks of 8 KiB to 512 KiB, in order and in random order, with the
 same visit-order sum and no prefetch: the floor of what random page order costs without it.
 """
@@ -25,7 +27,7 @@ import numba
 import numpy as np
 
 from attention_cases import pagekv_decode, pagekv_prefill, problem, streaming_read
-from fma_peak import fma_peak
+from fma_peak import multiply_add_peak
 from visit_order import visit_order_sum, visit_sum
 
 PAGE_SIZES = (16, 32, 128)
@@ -61,8 +63,8 @@ def study(shape, kind, page_size, rounds, roof, *, op="decode"):
 
 
 def decode_fmas(p):
-    """float32 multiply-adds of one decode step: each query head's scores and weighted values,
-    one per element of each K and V row it reads."""
+    """Multiply-adds of one decode step: each query head's scores and weighted values, one per
+    element of each K and V row it reads."""
     return 2 * p.q.shape[1] * p.q.shape[2] * int(p.seq_lens.sum())
 
 
@@ -95,12 +97,14 @@ def main():
     parser.add_argument("--decode-only", action="store_true", help="skip prefill and the memory floor")
     args = parser.parse_args()
     roof, roof_bytes = streaming_read()
-    peak = fma_peak()
-    print(f"FMA peak: {peak / 1e9:.0f} GFMA/s float32 on {numba.get_num_threads()} threads\n")
+    peaks = {kind: multiply_add_peak(kind) for kind in ("float32", "bfloat16")}
+    print(f"multiply-add peak on {numba.get_num_threads()} threads: "
+          + ", ".join(f"{kind} {peak / 1e9:.0f} G/s" for kind, peak in peaks.items()) + "\n")
     print("| op | shape | KV | page | roof GB/s | paged GB/s | % of roof | paged ÷ contiguous | "
           "paged, no prefetch ÷ contiguous | from cache, % of roof | visit order, sum only, % of roof | "
-          "visit order, sum only, paged ÷ contiguous | decode's FMAs alone at peak, % of roof |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "visit order, sum only, paged ÷ contiguous | decode's multiply-adds alone at peak, % of roof | "
+          "from cache, % of the multiply-add peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ops = (("decode", ("S1", "S3")),) + ((("prefill", ("S1",)),) if not args.decode_only else ())
     for op, shapes in ops:
         for shape in shapes:
@@ -117,12 +121,15 @@ def main():
                                       for name in ("from cache", "visit order, sum only"))
                     sums = "visit order, sum only", "visit order on consecutive pages, sum only"
                     visit_paging = f"{median[sums[0]] / median[sums[1]]:.2f}" if sums[0] in median else "—"
+                    peak = peaks[kind]
                     fma_share = f"{100 * nbytes / (fmas / peak) / roof_gbs:.0f}%" if op == "decode" else "—"
+                    busy = (f"{100 * fmas / median['from cache'] / peak:.0f}%"
+                            if "from cache" in median else "—")
                     print(f"| {op} | {shape} | {kind} | {page_size} | {roof_gbs / 1e9:.1f} | "
                           f"{nbytes / paged / 1e9:.1f} | "
                           f"{100 * share:.0f}% | {paged / base:.2f} | "
                           f"{median['paged, no prefetch'] / base:.2f} | {cached} | {visits} | "
-                          f"{visit_paging} | {fma_share} |", flush=True)
+                          f"{visit_paging} | {fma_share} | {busy} |", flush=True)
     if not args.decode_only:
         memory_floor(args.rounds)
 

@@ -8,7 +8,7 @@ import pytest
 from attention_cases import (KINDS, as_float32, numpy_gather_decode, pagekv_decode, pagekv_prefill,
                              prefill_flops, prefill_queries, problem, streaming_read, torch_sdpa_decode,
                              torch_sdpa_prefill)
-from fma_peak import CHAINS, _on_every_thread
+from fma_peak import CHAINS, _dot_pairs_on_every_thread, _on_every_thread
 from pagekv import attention
 from pagekv.reference import attention as reference
 from visit_order import visit_order_sum
@@ -99,3 +99,11 @@ def test_fma_chains_do_their_multiply_adds():
     for _ in range(rounds):  # a fused multiply-add: the float32 product is exact in float64
         chains = (chains.astype(np.float64) * scale + step).astype(np.float32)
     assert _on_every_thread(rounds, 1) == pytest.approx(float(chains.sum(dtype=np.float64)), rel=1e-6)
+
+
+def test_dot_pair_chains_add_both_products_of_each_pair():
+    # each round adds 1.0 * 1.0 + 0.5 * 0.5 to every lane (exact in float32): vdpbf16ps where the
+    # CPU has it, the portable emulation elsewhere; dropping either product of a pair changes it
+    rounds = 1000
+    expected = sum(float(chain) + 1.25 * rounds for chain in range(CHAINS))
+    assert _dot_pairs_on_every_thread(rounds, 1) == expected
