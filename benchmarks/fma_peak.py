@@ -28,24 +28,31 @@ CHAINS = 12
 WIDTH = 16 if llvm.get_host_cpu_features().get("avx512f") else 8
 
 
+def _chain_rounds(builder, count, lanes, step):
+    """``count`` rounds of ``step(builder, accumulator)`` on each of CHAINS independent
+    <lanes x float> accumulators (chain i starts at i); returns a lane of their sum (so the loop
+    is not dropped)."""
+    vector = ir.VectorType(ir.FloatType(), lanes)
+    chains = [cgutils.alloca_once_value(builder, ir.Constant(vector, [float(i)] * lanes))
+              for i in range(CHAINS)]
+    with cgutils.for_range(builder, count):
+        for chain in chains:
+            builder.store(step(builder, builder.load(chain)), chain)
+    total = builder.load(chains[0])
+    for chain in chains[1:]:
+        total = builder.fadd(total, builder.load(chain))
+    return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+
+
 @intrinsic
 def _fma_chains(typingctx, count):
-    """``count`` rounds of one FMA on each of CHAINS vector accumulators; returns a lane of
-    their sum (so the loop is not dropped)."""
+    """``count`` rounds of one FMA (x * 0.999999 + 1e-7) on each of CHAINS vector accumulators."""
     def codegen(context, builder, signature, args):
         vector = ir.VectorType(ir.FloatType(), WIDTH)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
                                              f"llvm.fma.v{WIDTH}f32")
         scale, step = ir.Constant(vector, [0.999999] * WIDTH), ir.Constant(vector, [1e-7] * WIDTH)
-        chains = [cgutils.alloca_once_value(builder, ir.Constant(vector, [float(i)] * WIDTH))
-                  for i in range(CHAINS)]
-        with cgutils.for_range(builder, args[0]):
-            for chain in chains:
-                builder.store(builder.call(fma, [builder.load(chain), scale, step]), chain)
-        total = builder.load(chains[0])
-        for chain in chains[1:]:
-            total = builder.fadd(total, builder.load(chain))
-        return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+        return _chain_rounds(builder, args[0], WIDTH, lambda b, acc: b.call(fma, [acc, scale, step]))
 
     return types.float32(count), codegen
 
@@ -54,19 +61,11 @@ def _fma_chains(typingctx, count):
 def _dot_pair_chains(typingctx, count):
     """``count`` rounds of one bfloat16-pairs product (vdpbf16ps where the CPU has it,
     kernels/_tile_ir.py's dot_pairs) on each of CHAINS accumulators: lanes += 1.0 * 1.0 + 0.5 *
-    0.5; returns a lane of their sum."""
+    0.5."""
     def codegen(context, builder, signature, args):
-        vector = ir.VectorType(ir.FloatType(), _tile_ir.LANES)
         ones = ir.Constant(_tile_ir.I16X32, [0x3F80, 0x3F00] * _tile_ir.LANES)  # bfloat16 1.0, 0.5
-        chains = [cgutils.alloca_once_value(builder, ir.Constant(vector, [float(i)] * _tile_ir.LANES))
-                  for i in range(CHAINS)]
-        with cgutils.for_range(builder, args[0]):
-            for chain in chains:
-                builder.store(_tile_ir.dot_pairs(builder, builder.load(chain), ones, ones), chain)
-        total = builder.load(chains[0])
-        for chain in chains[1:]:
-            total = builder.fadd(total, builder.load(chain))
-        return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+        return _chain_rounds(builder, args[0], _tile_ir.LANES,
+                             lambda b, acc: _tile_ir.dot_pairs(b, acc, ones, ones))
 
     return types.float32(count), codegen
 
