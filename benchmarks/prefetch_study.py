@@ -27,7 +27,7 @@ import numba
 import numpy as np
 
 from attention_cases import pagekv_decode, pagekv_prefill, problem, streaming_read
-from fma_peak import multiply_add_peak
+from fma_peak import multiply_add_peaks
 from visit_order import visit_order_sum, visit_sum
 
 PAGE_SIZES = (16, 32, 128)
@@ -97,7 +97,7 @@ def main():
     parser.add_argument("--decode-only", action="store_true", help="skip prefill and the memory floor")
     args = parser.parse_args()
     roof, roof_bytes = streaming_read()
-    peaks = {kind: multiply_add_peak(kind) for kind in ("float32", "bfloat16")}
+    peaks = multiply_add_peaks()
     print(f"multiply-add peak on {numba.get_num_threads()} threads: "
           + ", ".join(f"{kind} {peak / 1e9:.0f} G/s" for kind, peak in peaks.items()) + "\n")
     print("| op | shape | KV | page | roof GB/s | paged GB/s | % of roof | paged ÷ contiguous | "
