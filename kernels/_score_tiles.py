@@ -1,7 +1,7 @@
-"""Score tiles: the scores of 1-4 query rows against 4 or 1 consecutive key rows of a page block.
+"""Score tiles: the scores of 1-4 query rows against 8, 4 or 1 consecutive key rows of a page block.
 
 ``SCORE_TILES[storage]`` is the pair (four keys, one key) of Numba intrinsics for one storage
-(kernels/_tile_ir.py): a register tile of rows x keys accumulators, summed across lanes together
+(kernels/_tile_ir.py), and ``EIGHT_KEYS`` prefill's vdpbf16ps tile of eight keys: a register tile of rows x keys accumulators, summed across lanes together
 at the end (one tree of shuffles for the whole tile, not one per dot product), scaled and stored
 one row at a time. vdpbf16ps tiles take bfloat16 queries (``PAIRED``); FMA tiles take float32
 queries and float32, float16 or bfloat16 key rows, widened as they are loaded. While they read
@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 # so a test can compile the tiles for another CPU's budget.
 from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._tile_ir import (
-    CACHE_LINE, F32, F32X16, I32, I64, LANES, PAIR_BLOCK, PAIRED, dot_pairs,
+    CACHE_LINE, F32, F32X16, I16, I32, I64, LANES, PAIR_BLOCK, PAIRED, dot_pairs,
     four_sums, join, lane_sums, load, load_bf16, load_bf16_pairs, load_wide, multiply_add,
     or_current, over_head_dim, prefetch_line, prefetch_lines, rows_switch, splat, zero_accumulators)
 
@@ -40,6 +40,32 @@ def _keys_per_pass(rows, tokens, halves):
     return min(tokens, max(1, tile_ir.ACCUMULATORS // rows) * (2 if halves else 1))
 
 
+def _reduce(builder, sums, rows, tokens, halves, avx2):
+    """The scores of a tile's accumulators ``sums`` (vector r * vectors + j: row r's key j, or
+    with ``halves`` its keys 2j and 2j + 1), as (one or two <16 x float>, {score r * tokens + t:
+    its lane in the first or, from 16 on, the second}).
+
+    More than 16 scores (an 8-key tile of 3-4 rows) take two trees, one per half of the keys."""
+    if avx2 and not halves and len(sums) <= 4:  # AVX2 without halves
+        return [four_sums(builder, sums)], {i: i for i in range(len(sums))}
+    if not halves:
+        order = _score_order(rows, tokens)
+        total, lane_at = lane_sums(builder, [sums[i] for i in order])
+        return [total], {order[position]: lane for position, lane in lane_at.items()}
+    vectors = len(sums) // rows
+    groups = ([list(range(len(sums)))] if len(sums) <= LANES // 2 else
+              [[r * vectors + j for r in range(rows) for j in part]
+               for part in (range(vectors // 2), range(vectors // 2, vectors))])
+    totals, lane_of = [], {}
+    for tree, group in enumerate(groups):
+        total, lane_at = lane_sums(builder, [sums[v] for v in group], halves=True)
+        totals.append(total)
+        for position, v in enumerate(group):  # vector v's halves are scores 2v and 2v + 1
+            for h in range(2):
+                lane_of[2 * v + h] = LANES * tree + lane_at[2 * position + h]
+    return totals, lane_of
+
+
 def _make_qk_tile(tokens, *, storage=PAIRED):
     """Tiles of rows x tokens scores, rows (1-4) the first argument, head_dim a multiple of 16:
     bfloat16 key rows and queries by vdpbf16ps (``storage=PAIRED``), or float32 queries and
@@ -59,7 +85,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
     fma = storage != PAIRED
 
     def emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, *pf):
-        halves = fma and tile_ir.ACCUMULATORS < 16 and tokens > 1 and rows > 1
+        halves = tokens == 8 or (fma and tile_ir.ACCUMULATORS < 16 and tokens > 1 and rows > 1)
         per_pass = _keys_per_pass(rows, tokens, halves) if fma else tokens
         pf = or_current(builder, pf, k_first)
         for first in range(0, tokens, per_pass):
@@ -110,12 +136,13 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             not the same) into the key rows; ``width`` elements of each row (8 with halves)."""
             key_offset = offset if key_offset is None else key_offset
             keys_of_chunk = []
-            chunk_bytes = width * key_bytes if fma else 64
+            chunk_bytes = width * key_bytes if fma or halves else 64
             prefetch_share(key_offset, chunk_bytes)
             for j in range(vectors):
                 if halves:
-                    pair = [load_wide(builder, key_row(2 * j + h, key_offset, chunk_bytes), storage,
-                                       width) for h in range(2)]
+                    pair = [key_row(2 * j + h, key_offset, chunk_bytes) for h in range(2)]
+                    pair = ([load_wide(builder, row, storage, width) for row in pair] if fma else
+                            [load(builder, row, ir.VectorType(I16, width)) for row in pair])
                     keys_of_chunk.append(join(builder, *pair))
                 elif fma:
                     keys_of_chunk.append(load_wide(builder, key_row(j, key_offset, chunk_bytes), storage))
@@ -124,7 +151,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             for r in range(rows):
                 address = builder.add(q_first, builder.add(builder.mul(q_step, ir.Constant(I64, r)), offset))
                 if halves:
-                    half = load(builder, address, ir.VectorType(F32, width))
+                    half = load(builder, address, ir.VectorType(F32 if fma else I16, width))
                     query = join(builder, half, half)
                 elif fma:
                     query = load(builder, address, F32X16)
@@ -161,29 +188,23 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
         if fma and storage == "bfloat16" and tile_ir.PAIR_ORDER:
             with cgutils.for_range(builder, builder.udiv(dims, ir.Constant(I64, PAIR_BLOCK))) as loop:
                 multiply_pairs(builder.mul(loop.index, ir.Constant(I64, PAIR_BLOCK * 4)))
-        elif fma:  # chunks of 16 floats (8 with halves) of the query rows and of the key rows
-            width = LANES // per_vector
+        elif fma or halves:  # chunks of 16 elements (8 floats, or 16 bfloat16, with halves)
+            width = LANES // per_vector if fma else LANES
             with cgutils.for_range(builder, builder.udiv(dims, ir.Constant(I64, width))) as loop:
-                multiply(builder.mul(loop.index, ir.Constant(I64, width * 4)), width,
+                multiply(builder.mul(loop.index, ir.Constant(I64, width * (4 if fma else 2))), width,
                          builder.mul(loop.index, ir.Constant(I64, width * key_bytes)))
         else:
             over_head_dim(builder, dims, multiply)
-        if fma and tile_ir.ACCUMULATORS < 16 and not halves and len(sums) <= 4:  # AVX2, no halves
-            total = four_sums(builder, [builder.load(s) for s in sums])
-            lane_of = {i: i for i in range(len(sums))}
-        else:
-            order = _score_order(rows, tokens) if not halves else list(range(rows * vectors))
-            total, lane_at = lane_sums(builder, [builder.load(sums[i]) for i in order], halves=halves)
-            if halves:  # vector v's halves are scores 2v and 2v + 1 (= r * tokens + t)
-                lane_of = lane_at
-            else:
-                lane_of = {order[position]: lane for position, lane in lane_at.items()}
-        total = builder.fmul(total, splat(builder, factor))
+        totals, lane_of = _reduce(builder, [builder.load(s) for s in sums], rows, tokens, halves,
+                                  fma and tile_ir.ACCUMULATORS < 16)
+        totals = [builder.fmul(total, splat(builder, factor)) for total in totals]
+        if len(totals) == 1:
+            totals.append(ir.Constant(F32X16, ir.Undefined))
         row_type = ir.VectorType(F32, tokens)
         for r in range(rows):  # one store per row (one shuffle, or none for a 4 x 4 tile)
             address = builder.add(out_base, builder.mul(out_step, ir.Constant(I64, r)))
             lanes = ir.Constant(ir.VectorType(I32, tokens), [lane_of[r * tokens + t] for t in range(tokens)])
-            row = builder.shuffle_vector(total, ir.Constant(F32X16, ir.Undefined), lanes)
+            row = builder.shuffle_vector(*totals, lanes)
             builder.store(row, builder.inttoptr(address, row_type.as_pointer()), align=4)
 
     @intrinsic
@@ -236,3 +257,14 @@ SCORE_TILES = {
     # are the exact path (fast_bf16=False) on every CPU. pagekv.attention chooses.
     "bfloat16": (_make_qk_tile(4, storage="bfloat16"), _make_qk_tile(1, storage="bfloat16")),
 }
+
+# Prefill's vdpbf16ps tiles of 8 keys (AVX-512): each accumulator holds two keys, 16 dimensions of
+# each (``halves``), so 4 rows x 8 keys fit in 16 registers; a step loads 16 dimensions of each key
+# row and of each query row (set in both halves), and the 32 scores take two lane-sum trees of 8
+# vectors, where two 4 x 4 tiles took two of 16: half the merges per score, half the calls. AMD
+# EPYC Zen 4, processes alternating, new ÷ old time: chunked prefill (bfloat16) S1 0.955-0.963, S3
+# (head_dim 64) 0.940-0.956, G3 0.964, G8 0.972. Decode keeps the 4 x 4 tiles: from cache it gained
+# too (S1 0.96, S3 0.91, G8 1.01) but from memory it did not (S1 1.01-1.02, S3 1.03-1.04, G7 0.98,
+# two runs). The float32 FMA tiles of 8 keys gained less in prefill (0.94-0.97) and lost in decode
+# from cache (G8 1.04): not taken.
+EIGHT_KEYS = _make_qk_tile(8)

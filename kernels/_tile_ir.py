@@ -287,8 +287,10 @@ def load_wide(builder, address, storage, lanes=LANES):
 
 
 def join(builder, low, high):
-    """One <16 x float> of two <8 x float>: low in lanes 0-7, high in lanes 8-15."""
-    return builder.shuffle_vector(low, high, ir.Constant(I32X16, list(range(LANES))))
+    """One vector of two of half its length (<8 x float> to <16 x float>, <16 x i16> to <32 x
+    i16>): low in the lower lanes, high in the upper."""
+    lanes = 2 * low.type.count
+    return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, lanes), list(range(lanes))))
 
 
 def load_bf16(builder, address, width):

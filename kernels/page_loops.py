@@ -15,8 +15,8 @@ from numba.extending import overload
 
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
 from pagekv.kernels._math import JIT
-from pagekv.kernels._score_tiles import SCORE_TILES
-from pagekv.kernels._tile_ir import LANES, MAX_ROWS, PAIRED
+from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES
+from pagekv.kernels._tile_ir import ACCUMULATORS, LANES, MAX_ROWS, PAIRED
 from pagekv.kernels._value_tiles import VALUE_TILES
 from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
 
@@ -144,16 +144,19 @@ def plain_page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
-def tiled_page_loops(kind, *, inline=True):
+def tiled_page_loops(kind, *, inline=True, eight_keys=False):
     """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32 or
     float16 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
 
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
-    into the kernel.
+    into the kernel. ``eight_keys`` (vdpbf16ps tiles, AVX-512 only) scores 8 keys at a time
+    where a page has them (kernels/_score_tiles.py, EIGHT_KEYS; prefill takes them, decode not).
     """
     jit = njit(inline="always" if inline else "never", **JIT)
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
+    eights = eight_keys and kind == PAIRED and ACCUMULATORS >= 16
+    eight = EIGHT_KEYS if eights else four_keys  # (never called unless eights)
     pairs = kind == PAIRED  # probabilities packed two tokens to a word
 
     @jit
@@ -164,8 +167,8 @@ def tiled_page_loops(kind, *, inline=True):
 
         q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (bfloat16
         pages), or float32 (the others); the scores are multiplied by ``scale``. Tiles of 4 query
-        rows x 4 key rows; the rows left over take one tile of 3, 2 or 1 rows, the page's last
-        num_tokens % 4 keys one key at a time.
+        rows x 4 key rows (8 with ``eight_keys``, then 4); the rows left over take one tile of 3,
+        2 or 1 rows, the page's last num_tokens % 4 keys one key at a time.
         Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none) are
         prefetched by the first row tile.
         """
@@ -177,18 +180,26 @@ def tiled_page_loops(kind, *, inline=True):
             rows = min(MAX_ROWS, r0 + num_rows - r)
             q_r = q.ctypes.data + r * q_row
             out = scores.ctypes.data + r * s_row + col * 4
-            for t in range(0, num_tokens, 4):
+            t = 0
+            while t < num_tokens:
                 pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
                 pf_again = again + t * k_row if (again != 0 and r == r0) else 0
                 k_t, out_t = block + t * k_row, out + t * 4
+                if eights:
+                    if t + 8 <= num_tokens:
+                        eight(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                        t += 8
+                        continue
                 if t + 4 <= num_tokens:
                     four_keys(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                    t += 4
                     continue
                 for u in range(t, num_tokens):
                     pf_u = pf + (u - t) * k_row if pf != 0 else 0
                     again_u = pf_again + (u - t) * k_row if pf_again != 0 else 0
                     one_key(rows, q_r, q_row, block + u * k_row, k_row, head_dim, scale, out + u * 4,
                             s_row, pf_u, again_u)
+                t = num_tokens
             r += rows
 
     @jit
@@ -227,7 +238,7 @@ _TILED = {kind: tiled_page_loops(kind) for kind in KINDS}
 # process pairs), called they run as fast as they did inlined into the old kernel that held both
 # kinds (0.99-1.01), and compile 2 s faster. Decode keeps them inlined: called, it was 6-16%
 # slower from cache.
-_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False)})
+_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False, eight_keys=True)})
 
 
 def kernel_kind(k_cache, kv_format, dot_products):

@@ -16,7 +16,7 @@ from numba import njit
 from kv_builders import bf16_products, to_storage, widen
 from pagekv import attention
 from pagekv.kernels import _tile_ir as tile_ir
-from pagekv.kernels._score_tiles import SCORE_TILES, _score_order
+from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES, _score_order
 from pagekv.kernels._tile_rows import pack_pairs, pair_dim, pair_position, value_dim
 from pagekv.kernels._value_tiles import VALUE_TILES
 
@@ -31,7 +31,7 @@ def _scores_harness(tokens, storage):
     on its first call, so it takes whatever code generation the tiles choose at that moment.
     16-bit keys are passed as their bits (uint16): the tile reads them through their address."""
     four_keys, one_key = SCORE_TILES[storage]
-    tile = four_keys if tokens == 4 else one_key
+    tile = {8: EIGHT_KEYS, 4: four_keys, 1: one_key}[tokens]
 
     @njit
     def run(q, k, scale, out, pf):
@@ -81,14 +81,14 @@ def _nan_padded_rows(rng, num_rows, filled, head_dim, storage="bfloat16"):
     return stored.view(np.uint32 if storage == "float32" else np.uint16), widen(stored, storage)
 
 
-@given(st.sampled_from(ROWS), st.sampled_from([4, 1]),
+@given(st.sampled_from(ROWS), st.sampled_from([8, 4, 1]),
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
        st.integers(0, 2**16), st.booleans())
 def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch):
     rng = np.random.default_rng(seed)
     q = _bf16(rng, (rows, head_dim))
     k, k64 = _nan_padded_rows(rng, tokens, tokens, head_dim)
-    out = np.full((rows, 8), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
+    out = np.full((rows, 12), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
     _scores(tokens, PAIRED)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = widen(q, "bfloat16") @ k64.T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
@@ -112,7 +112,7 @@ def _check_fma_scores(run, rng, rows, tokens, head_dim, storage, scale, prefetch
     key rows of ``storage`` against float64; the output columns past the tile's stay NaN."""
     q = rng.standard_normal((rows, head_dim)).astype(np.float32)
     k, k64 = _nan_padded_rows(rng, tokens, tokens, head_dim, storage)
-    out = np.full((rows, 8), np.nan, np.float32)
+    out = np.full((rows, 12), np.nan, np.float32)
     tile_q = np.ascontiguousarray(q[:, _tile_order(storage, head_dim)])
     run(tile_q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = q.astype(np.float64) @ k64.T * np.float64(np.float32(scale))
@@ -215,7 +215,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     if not tile_ir.HAS_AVX512_BF16:
         pytest.skip("this CPU has no AVX512-BF16")
     rng = np.random.default_rng(5)
-    q, k = _bf16(rng, (4, 128)), _bf16(rng, (4, 128))
+    q, k = _bf16(rng, (4, 128)), _bf16(rng, (8, 128))
     v = _bf16(rng, (16, 128))
     packed = np.zeros((4, 9), np.uint32)
     _pack(rng.random((4, 16)).astype(np.float32), 15, packed)
@@ -223,13 +223,15 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
     results = []
     for native in (True, False):
         monkeypatch.setattr(tile_ir, "HAS_AVX512_BF16", native)
-        scores, values = _scores_harness(4, PAIRED), _values_harness(PAIRED)  # compiled now
-        out, acc = np.zeros((4, 4), np.float32), acc0.copy()
-        scores(q, k, np.float32(0.125), out, 0)
+        values = _values_harness(PAIRED)  # compiled now, as the score tiles below
+        outs = {tokens: np.zeros((4, tokens), np.float32) for tokens in (8, 4)}
+        for tokens, out in outs.items():
+            _scores_harness(tokens, PAIRED)(q, k[:tokens], np.float32(0.125), out, 0)
+        acc = acc0.copy()
         values(acc, v, packed, 15, 0)
-        results.append((out, acc))
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    np.testing.assert_array_equal(results[0][1], results[1][1])
+        results.append((outs[8], outs[4], acc))
+    for native, portable in zip(*results):
+        np.testing.assert_array_equal(native, portable)
 
 
 def test_fast_bf16_must_be_a_bool():
