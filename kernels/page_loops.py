@@ -17,7 +17,7 @@ from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT
 from pagekv.kernels._math import JIT
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES
 from pagekv.kernels._tile_ir import ACCUMULATORS, LANES, MAX_ROWS, PAIRED
-from pagekv.kernels._value_tiles import VALUE_TILES
+from pagekv.kernels._value_tiles import EIGHT_ROWS, VALUE_TILES
 from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
 
 
@@ -151,12 +151,15 @@ def tiled_page_loops(kind, *, inline=True, eight_keys=False):
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
     into the kernel. ``eight_keys`` (vdpbf16ps tiles, AVX-512 only) scores 8 keys at a time
-    where a page has them (kernels/_score_tiles.py, EIGHT_KEYS; prefill takes them, decode not).
+    where a page has them and accumulates values into 8 rows at a time where there are 8
+    (kernels/_score_tiles.py, EIGHT_KEYS; kernels/_value_tiles.py, EIGHT_ROWS): prefill takes
+    them, decode not.
     """
     jit = njit(inline="always" if inline else "never", **JIT)
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
     eights = eight_keys and kind == PAIRED and ACCUMULATORS >= 16
-    eight = EIGHT_KEYS if eights else four_keys  # (never called unless eights)
+    eight = EIGHT_KEYS if eights else four_keys  # (neither is called unless eights)
+    eight_rows = EIGHT_ROWS if eights else values
     pairs = kind == PAIRED  # probabilities packed two tokens to a word
 
     @jit
@@ -223,6 +226,12 @@ def tiled_page_loops(kind, *, inline=True, eight_keys=False):
             rows = min(MAX_ROWS, r0 + num_rows - r)
             pf, pf_again = (ahead, again) if r == r0 else (0, 0)
             a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
+            if eights:
+                if r + 8 <= r0 + num_rows:
+                    eight_rows(8, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf,
+                               pf_again)
+                    r += 8
+                    continue
             values(rows, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
             r += rows
 

@@ -18,7 +18,7 @@ from pagekv import attention
 from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES, _score_order
 from pagekv.kernels._tile_rows import pack_pairs, pair_dim, pair_position, value_dim
-from pagekv.kernels._value_tiles import VALUE_TILES
+from pagekv.kernels._value_tiles import EIGHT_ROWS, VALUE_TILES
 
 ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops take
 
@@ -40,10 +40,11 @@ def _scores_harness(tokens, storage):
     return run
 
 
-def _values_harness(storage):
+def _values_harness(storage, eight_rows=False):
     """Runs one value tile for value rows of ``storage``, compiled on first call: float32
-    probabilities, or packed pairs of them for bfloat16 rows."""
-    tile = VALUE_TILES[storage]
+    probabilities, or packed pairs of them for bfloat16 rows; prefill's tile of 8 rows if
+    ``eight_rows``."""
+    tile = EIGHT_ROWS if eight_rows else VALUE_TILES[storage]
 
     @njit
     def run(acc, v, probs, num_tokens, pf):
@@ -143,7 +144,7 @@ def test_fma_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, 
                       storage, scale, prefetch)
 
 
-@given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
+@given(st.sampled_from((8,) + ROWS), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
        st.integers(1, 16),
        st.integers(0, 2**16))
 def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
@@ -160,7 +161,7 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     expected = acc + rounded @ v64[:num_tokens]
     order = _value_order(head_dim)  # the tile keeps dimension order[j] at position j
     tile_acc = acc[:, order].copy()
-    _values(PAIRED)(tile_acc, v, packed, num_tokens, v.ctypes.data)
+    _values(PAIRED, rows == 8)(tile_acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(tile_acc, expected[:, order], rtol=1e-5, atol=1e-5)
 
 
