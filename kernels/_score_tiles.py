@@ -1,9 +1,10 @@
 """Score tiles: the scores of 1-4 query rows against 8, 4 or 1 consecutive key rows of a page block.
 
 ``SCORE_TILES[storage]`` is the pair (four keys, one key) of Numba intrinsics for one storage
-(kernels/_tile_ir.py), and ``EIGHT_KEYS`` prefill's vdpbf16ps tile of eight keys: a register tile of rows x keys accumulators, summed across lanes together
-at the end (one tree of shuffles for the whole tile, not one per dot product), scaled and stored
-one row at a time. vdpbf16ps tiles take bfloat16 queries (``PAIRED``); FMA tiles take float32
+(kernels/_tile_ir.py), and ``EIGHT_KEYS`` prefill's vdpbf16ps tile of eight keys: a register
+tile of rows x keys accumulators, summed across lanes together at the end (one tree of shuffles
+for the whole tile, not one per dot product; two for more than 16 scores), scaled and stored one
+row at a time. vdpbf16ps tiles take bfloat16 queries (``PAIRED``); FMA tiles take float32
 queries and float32, float16 or bfloat16 key rows, widened as they are loaded. While they read
 their key rows, the tiles prefetch the same rows of two blocks ahead (kernels/prefetch.py).
 """
@@ -81,7 +82,8 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
     4 keys in 8 registers are 8 independent chains of multiply-adds, where two keys per
     accumulator were 4 chains, each waiting on its last FMA (S3 bfloat16 decode from L2 0.93x
     the time, AMD EPYC Zen 3, separate processes alternating); its 4 sums take
-    :func:`four_sums`."""
+    :func:`four_sums`. Tiles of 8 keys (``EIGHT_KEYS``) always put two keys in each accumulator.
+    """
     fma = storage != PAIRED
 
     def emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, *pf):
@@ -133,7 +135,8 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
 
         def multiply(offset, width, key_offset=None):
             """One chunk of every row: bytes ``offset`` into the query rows, ``key_offset`` (if
-            not the same) into the key rows; ``width`` elements of each row (8 with halves)."""
+            not the same) into the key rows; ``width`` elements of each row (with halves: 8
+            floats, or 16 bfloat16 for vdpbf16ps)."""
             key_offset = offset if key_offset is None else key_offset
             keys_of_chunk = []
             chunk_bytes = width * key_bytes if fma or halves else 64
