@@ -144,21 +144,21 @@ def plain_page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
-def tiled_page_loops(kind, *, inline=True, eight_keys=False):
+def tiled_page_loops(kind, *, inline=True, eights=False):
     """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32 or
     float16 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
 
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
-    into the kernel. ``eight_keys`` (vdpbf16ps tiles, AVX-512 only) scores 8 keys at a time
-    where a page has them and accumulates values into 8 rows at a time where there are 8
+    into the kernel. ``eights`` (vdpbf16ps tiles, AVX-512 only) scores 8 keys at a time where a
+    page has them and accumulates values into 8 rows at a time where there are 8
     (kernels/_score_tiles.py, EIGHT_KEYS; kernels/_value_tiles.py, EIGHT_ROWS): prefill takes
     them, decode not.
     """
     jit = njit(inline="always" if inline else "never", **JIT)
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
-    eights = eight_keys and kind == PAIRED and ACCUMULATORS >= 16
-    eight = EIGHT_KEYS if eights else four_keys  # (neither is called unless eights)
+    eights = eights and kind == PAIRED and ACCUMULATORS >= 16
+    eight_keys = EIGHT_KEYS if eights else four_keys  # (neither is called unless eights)
     eight_rows = EIGHT_ROWS if eights else values
     pairs = kind == PAIRED  # probabilities packed two tokens to a word
 
@@ -170,7 +170,7 @@ def tiled_page_loops(kind, *, inline=True, eight_keys=False):
 
         q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (bfloat16
         pages), or float32 (the others); the scores are multiplied by ``scale``. Tiles of 4 query
-        rows x 4 key rows (8 with ``eight_keys``, then 4); the rows left over take one tile of 3,
+        rows x 4 key rows (8 with ``eights``, then 4); the rows left over take one tile of 3,
         2 or 1 rows, the page's last num_tokens % 4 keys one key at a time.
         Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none) are
         prefetched by the first row tile.
@@ -190,7 +190,8 @@ def tiled_page_loops(kind, *, inline=True, eight_keys=False):
                 k_t, out_t = block + t * k_row, out + t * 4
                 if eights:
                     if t + 8 <= num_tokens:
-                        eight(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf, pf_again)
+                        eight_keys(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf,
+                                   pf_again)
                         t += 8
                         continue
                 if t + 4 <= num_tokens:
@@ -247,7 +248,7 @@ _TILED = {kind: tiled_page_loops(kind) for kind in KINDS}
 # process pairs), called they run as fast as they did inlined into the old kernel that held both
 # kinds (0.99-1.01), and compile 2 s faster. Decode keeps them inlined: called, it was 6-16%
 # slower from cache.
-_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False, eight_keys=True)})
+_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False, eights=True)})
 
 
 def kernel_kind(k_cache, kv_format, dot_products):
