@@ -14,11 +14,20 @@ from numba import njit, types
 from numba.extending import overload
 
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
+from pagekv.kernels._key_lanes import KEYS, MAX_HEAD_DIM, sixteen_keys
 from pagekv.kernels._math import JIT
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES
 from pagekv.kernels._tile_ir import ACCUMULATORS, LANES, MAX_ROWS, PAIRED
 from pagekv.kernels._value_tiles import EIGHT_ROWS, VALUE_TILES
 from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
+
+# Prefill's query rows from which a page's keys take the key-lane tiles, 16 keys at a time
+# (kernels/_key_lanes.py). From L1 they beat the 8-key tiles at any row count (Zen 4, one
+# process, alternating, key-lane / 8-key time: 16 rows 0.68-0.87 at head_dim 64-128, 1.02-1.04
+# at 256; 32 rows 0.64-0.95; 128 rows 0.62-0.87), but in the kernel, where each 16 keys arrive
+# from L2 into the transpose at once, MHA prefill (16 rows) took 1.07x the time (S3, processes
+# alternating) against 0.91-0.93x for 32 rows and more (S1, S2).
+KEY_LANE_ROWS = 32
 
 
 @njit(**JIT)
@@ -144,22 +153,43 @@ def plain_page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
-def tiled_page_loops(kind, *, inline=True, eights=False):
+@njit(inline="never", **JIT)
+def key_lane_scores(num_rows, q, q_row, block, k_row, head_dim, num_tokens, scale, out, s_row, ahead,
+                    again):
+    """Scores of num_rows bfloat16 query rows (address q, q_row bytes apart) against each whole
+    16 of a block's num_tokens key rows by the key-lane tiles (kernels/_key_lanes.py), into out;
+    returns how many key rows were scored (num_tokens rounded down to 16). The same rows of the
+    blocks at ``ahead`` and ``again`` are prefetched (0: none).
+
+    A function of its own, not inlined: its tile's 8 KiB stack scratch in the page loop's frame
+    made prefill with fewer rows, which never calls it, 1.10x slower (S3, Zen 4)."""
+    keyed = 0
+    while keyed + KEYS <= num_tokens:
+        pf = ahead + keyed * k_row if ahead != 0 else 0
+        pf_again = again + keyed * k_row if again != 0 else 0
+        sixteen_keys(num_rows, q, q_row, block + keyed * k_row, k_row, head_dim, scale,
+                     out + keyed * 4, s_row, pf, pf_again)
+        keyed += KEYS
+    return keyed
+
+
+def tiled_page_loops(kind, *, inline=True, many_rows=False):
     """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32 or
     float16 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
 
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
-    into the kernel. ``eights`` (vdpbf16ps tiles, AVX-512 only) scores 8 keys at a time where a
-    page has them and accumulates values into 8 rows at a time where there are 8
-    (kernels/_score_tiles.py, EIGHT_KEYS; kernels/_value_tiles.py, EIGHT_ROWS): prefill takes
-    them, decode not.
+    into the kernel. ``many_rows`` (vdpbf16ps tiles, AVX-512 only) takes the tiles made for
+    prefill's many query rows per page: every 16 keys of a page by the key-lane tiles where there
+    are KEY_LANE_ROWS rows or more (kernels/_key_lanes.py), else 8 keys at a time where a page has
+    them (kernels/_score_tiles.py, EIGHT_KEYS), and values into 8 accumulator rows at a time where
+    there are 8 (kernels/_value_tiles.py, EIGHT_ROWS); decode takes none of them.
     """
     jit = njit(inline="always" if inline else "never", **JIT)
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
-    eights = eights and kind == PAIRED and ACCUMULATORS >= 16
-    eight_keys = EIGHT_KEYS if eights else four_keys  # (neither is called unless eights)
-    eight_rows = EIGHT_ROWS if eights else values
+    many_rows = many_rows and kind == PAIRED and ACCUMULATORS >= 16
+    eight_keys = EIGHT_KEYS if many_rows else four_keys  # (neither is called unless many_rows)
+    eight_rows = EIGHT_ROWS if many_rows else values
     pairs = kind == PAIRED  # probabilities packed two tokens to a word
 
     @jit
@@ -170,25 +200,31 @@ def tiled_page_loops(kind, *, inline=True, eights=False):
 
         q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (bfloat16
         pages), or float32 (the others); the scores are multiplied by ``scale``. Tiles of 4 query
-        rows x 4 key rows (8 with ``eights``, then 4); the rows left over take one tile of 3,
-        2 or 1 rows, the page's last num_tokens % 4 keys one key at a time.
-        Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none) are
-        prefetched by the first row tile.
+        rows x 4 key rows (with ``many_rows``: each 16 keys for all rows at once by
+        :func:`key_lane_scores` where there are KEY_LANE_ROWS rows, else 8, then 4); the rows
+        left over take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at
+        a time. Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none)
+        are prefetched by the first row tile (or the key-lane tile).
         """
         head_dim = kc.shape[3]
         k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
         block = block_address(kc, kp, kh)
+        keyed = 0  # tokens scored by the key-lane tiles, for all rows
+        if many_rows and num_rows >= KEY_LANE_ROWS and head_dim <= MAX_HEAD_DIM:
+            keyed = key_lane_scores(num_rows, q.ctypes.data + r0 * q_row, q_row, block, k_row,
+                                    head_dim, num_tokens, scale,
+                                    scores.ctypes.data + r0 * s_row + col * 4, s_row, ahead, again)
         r = r0
-        while r < r0 + num_rows:
+        while r < r0 + num_rows and keyed < num_tokens:
             rows = min(MAX_ROWS, r0 + num_rows - r)
             q_r = q.ctypes.data + r * q_row
             out = scores.ctypes.data + r * s_row + col * 4
-            t = 0
+            t = keyed
             while t < num_tokens:
                 pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
                 pf_again = again + t * k_row if (again != 0 and r == r0) else 0
                 k_t, out_t = block + t * k_row, out + t * 4
-                if eights:
+                if many_rows:
                     if t + 8 <= num_tokens:
                         eight_keys(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf,
                                    pf_again)
@@ -227,7 +263,7 @@ def tiled_page_loops(kind, *, inline=True, eights=False):
             rows = min(MAX_ROWS, r0 + num_rows - r)
             pf, pf_again = (ahead, again) if r == r0 else (0, 0)
             a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
-            if eights:
+            if many_rows:
                 if r + 8 <= r0 + num_rows:
                     eight_rows(8, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf,
                                pf_again)
@@ -248,7 +284,7 @@ _TILED = {kind: tiled_page_loops(kind) for kind in KINDS}
 # process pairs), called they run as fast as they did inlined into the old kernel that held both
 # kinds (0.99-1.01), and compile 2 s faster. Decode keeps them inlined: called, it was 6-16%
 # slower from cache.
-_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False, eights=True)})
+_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False, many_rows=True)})
 
 
 def kernel_kind(k_cache, kv_format, dot_products):
