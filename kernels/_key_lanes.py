@@ -1,20 +1,24 @@
-"""A score tile with the keys along the lanes: prefill's scores of any number of query rows
-against 16 consecutive bfloat16 key rows, by vdpbf16ps, with no lane-sum tree.
+"""Score tiles with the keys along the lanes: prefill's scores of any number of query rows
+against 16 consecutive key rows, with no lane-sum tree. ``KEY_LANE_TILES[storage]`` is one Numba
+intrinsic per storage (kernels/_tile_ir.py): bfloat16 rows by vdpbf16ps (``PAIRED``), or float32
+queries and float32, float16 or bfloat16 key rows by FMAs.
 
 The other score tiles (kernels/_score_tiles.py) put a row's dimensions along the lanes and sum
 each accumulator's lanes at the end: a tree of shuffles per tile, and each step reloads the
 query rows. Here the 16 key rows are transposed once into a stack scratch, so that vector j
-holds dimension pair j (dims 2j, 2j + 1) of the 16 keys, one key per lane; then each query row
-keeps one accumulator of 16 scores, and a step multiplies vector j by the row's pair j
-broadcast to every lane: one vdpbf16ps per 32 products, its query operand a 32-bit broadcast
-load. The accumulator's lanes are the row's 16 scores in order, stored as they are. From L1
-(AMD Zen 4, 64-128 query rows, head_dim 128) that loop runs at 3.1-3.4 G vdpbf16ps per second
-against a peak of ~3.5, where the 4-row tiles of 8 keys ran at 2.3-2.6.
+holds dimension pair j (dims 2j, 2j + 1; vdpbf16ps) or dimension j (FMA) of the 16 keys, one key
+per lane; then each query row keeps one accumulator of 16 scores, and a step multiplies vector
+j by the row's pair or dimension j broadcast to every lane: one instruction per 32 (16)
+products, its query operand a 32-bit broadcast load. The accumulator's lanes are the row's 16
+scores in order, stored as they are. From L1 (AMD Zen 4, 64-128 query rows, head_dim 128) the
+vdpbf16ps loop runs at 3.1-3.4 G instructions per second against a peak of ~3.5, where the
+4-row tiles of 8 keys ran at 2.3-2.6.
 
-The transpose costs 64 shuffles per 32 dimensions of 16 keys, whatever the number of rows, so it
-pays where many query rows share the keys — chunked prefill's 16 query tokens times the GQA
-group (page_loops.py, KEY_LANE_ROWS) — and not in decode (4 rows at S1: a shuffle per
-vdpbf16ps).
+The transpose costs 64 shuffles per 16 vectors, whatever the number of rows, so it pays where
+many query rows share the keys — chunked prefill's 16 query tokens times the GQA group
+(page_loops.py, KEY_LANE_ROWS) — and not in decode (4 rows at S1: a shuffle per vdpbf16ps).
+The FMA tiles' lane sums cost them less (a tree per 16 dims, not 32), and so do the key lanes'
+gains: from L1, float32, key-lane / 4 x 4 tile time 0.69-0.97 at 64-128 rows, 0.78-1.02 at 32.
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]
@@ -23,8 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagekv.kernels._tile_ir import (
-    F32X16, I16, I32, I32X16, I64, LANES, PAIRS, dot_pairs, load, or_current, prefetch_each,
-    splat, zero_accumulators)
+    CACHE_LINE, F32, F32X16, I16, I32, I32X16, I64, LANES, PAIRED, PAIRS, dot_pairs, load,
+    load_wide, multiply_add, or_current, prefetch_each, prefetch_line, splat, zero_accumulators)
 
 KEYS = LANES  # key rows per tile: one per float32 lane
 MAX_HEAD_DIM = 256  # the transposed keys' stack scratch holds this many dimensions
@@ -70,9 +74,12 @@ def _transpose(builder, rows):
     return out
 
 
-def _key_words(builder, address, whole):
-    """The 16 32-bit words (dimension pairs) of a key row's 32 dimensions at address, or with
-    ``whole`` false its 16 dimensions there as the first 8 words and zeros above."""
+def _key_words(builder, address, storage, whole):
+    """A block of a key row at address as 16 32-bit words: 32 bfloat16 dims as their 16 pairs
+    (``PAIRED``; with ``whole`` false 16 dims, as the first 8 words and zeros above), or 16 dims
+    of float32, float16 or bfloat16 widened to float32."""
+    if storage != PAIRED:
+        return builder.bitcast(load_wide(builder, address, storage), I32X16)
     if whole:
         return load(builder, address, I32X16)
     half = load(builder, address, ir.VectorType(I32, LANES // 2))
@@ -80,35 +87,57 @@ def _key_words(builder, address, whole):
                                   ir.Constant(I32X16, list(range(LANES))))
 
 
-def _emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, pf,
-          again):
-    keys_t = cgutils.alloca_once(builder, ir.ArrayType(I32X16, MAX_HEAD_DIM // 2))
+def _query_lanes(builder, address, storage):
+    """The query's word at address in every lane: a bfloat16 pair as <32 x i16> (``PAIRED``), or
+    a float32 as <16 x float> (the FMA tiles' queries are float32 for any storage)."""
+    if storage != PAIRED:
+        return splat(builder, builder.load(builder.inttoptr(address, F32.as_pointer()), align=4))
+    word = builder.load(builder.inttoptr(address, I32.as_pointer()), align=4)
+    one = builder.insert_element(ir.Constant(I32X16, ir.Undefined), word, ir.Constant(I32, 0))
+    every = builder.shuffle_vector(one, ir.Constant(I32X16, ir.Undefined), ir.Constant(I32X16, [0] * LANES))
+    return builder.bitcast(every, ir.VectorType(I16, PAIRS))
+
+
+def _emit(builder, storage, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step,
+          pf, again):
+    fma = storage != PAIRED
+    # One transposed vector per dim (FMA) or per pair of dims (vdpbf16ps); a block is 16 of them,
+    # the same 16 dims of every key row (FMA) or 32 (vdpbf16ps, and a last 16 if head_dim % 32).
+    per_vector = 1 if fma else 2
+    block_dims = LANES * per_vector
+    row_bytes = block_dims * (4 if storage == "float32" else 2)
+    keys_t = cgutils.alloca_once(builder, ir.ArrayType(I32X16, MAX_HEAD_DIM // per_vector))
     slots = builder.bitcast(keys_t, I32X16.as_pointer())
     blocks = or_current(builder, [pf, again], k_first)
 
     def transpose_block(offset, index, whole):
-        """Dims of bytes offset .. offset + 63 of the 16 key rows into vectors index .. index + 15
-        (the first 8 of them with ``whole`` false: 16 dims), prefetching the same bytes of the
-        blocks ahead."""
+        """A block of the 16 key rows, bytes offset .. of each, into vectors index .. index + 15
+        (the first 8 of them with ``whole`` false), prefetching the same bytes of the blocks
+        ahead (each line once)."""
         words = []
         for t in range(KEYS):
             row = builder.add(builder.mul(k_step, ir.Constant(I64, t)), offset)
-            prefetch_each(builder, blocks, row)
-            words.append(_key_words(builder, builder.add(k_first, row), whole))
+            if row_bytes >= CACHE_LINE:
+                prefetch_each(builder, blocks, row)
+            else:
+                prefetch_line(builder, blocks, row, offset)
+            words.append(_key_words(builder, builder.add(k_first, row), storage, whole))
         for c, column in enumerate(_transpose(builder, words)[:LANES if whole else LANES // 2]):
             builder.store(column, builder.gep(slots, [builder.add(index, ir.Constant(I64, c))]),
                           align=64)
 
-    chunks = builder.lshr(dims, ir.Constant(I64, 5))  # 32 dims: 64 bytes of a key row
-    with cgutils.for_range(builder, chunks) as loop:
-        transpose_block(builder.mul(loop.index, ir.Constant(I64, PAIRS * 2)),
+    block_count = builder.udiv(dims, ir.Constant(I64, block_dims))
+    with cgutils.for_range(builder, block_count) as loop:
+        transpose_block(builder.mul(loop.index, ir.Constant(I64, row_bytes)),
                         builder.mul(loop.index, ir.Constant(I64, LANES)), True)
-    tail = builder.icmp_unsigned("!=", builder.and_(dims, ir.Constant(I64, LANES)), ir.Constant(I64, 0))
-    with builder.if_then(tail):
-        transpose_block(builder.mul(chunks, ir.Constant(I64, PAIRS * 2)),
-                        builder.mul(chunks, ir.Constant(I64, LANES)), False)
+    if not fma:  # a last 16 dims: 8 pairs
+        tail = builder.icmp_unsigned("!=", builder.and_(dims, ir.Constant(I64, LANES)),
+                                     ir.Constant(I64, 0))
+        with builder.if_then(tail):
+            transpose_block(builder.mul(block_count, ir.Constant(I64, row_bytes)),
+                            builder.mul(block_count, ir.Constant(I64, LANES)), False)
 
-    pairs = builder.lshr(dims, ir.Constant(I64, 1))
+    vectors = builder.udiv(dims, ir.Constant(I64, per_vector))
     scale = splat(builder, factor)
 
     def row_tile(n, r):
@@ -116,18 +145,15 @@ def _emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_bas
         sums = zero_accumulators(builder, n)
         q_rows = [builder.add(q_first, builder.mul(q_step, builder.add(r, ir.Constant(I64, i))))
                   for i in range(n)]
-        with cgutils.for_range(builder, pairs) as loop:
-            keys = builder.bitcast(builder.load(builder.gep(slots, [loop.index]), align=64),
-                                   ir.VectorType(I16, PAIRS))
+        with cgutils.for_range(builder, vectors) as loop:
+            keys = builder.load(builder.gep(slots, [loop.index]), align=64)
+            keys = builder.bitcast(keys, F32X16 if fma else ir.VectorType(I16, PAIRS))
             word_offset = builder.mul(loop.index, ir.Constant(I64, 4))
             for i in range(n):
-                word = builder.load(builder.inttoptr(builder.add(q_rows[i], word_offset),
-                                                     I32.as_pointer()), align=4)
-                one = builder.insert_element(ir.Constant(I32X16, ir.Undefined), word, ir.Constant(I32, 0))
-                query = builder.bitcast(builder.shuffle_vector(
-                    one, ir.Constant(I32X16, ir.Undefined), ir.Constant(I32X16, [0] * LANES)),
-                    ir.VectorType(I16, PAIRS))
-                builder.store(dot_pairs(builder, builder.load(sums[i]), keys, query), sums[i])
+                query = _query_lanes(builder, builder.add(q_rows[i], word_offset), storage)
+                acc = builder.load(sums[i])
+                acc = multiply_add(builder, acc, keys, query) if fma else dot_pairs(builder, acc, keys, query)
+                builder.store(acc, sums[i])
         for i in range(n):
             address = builder.add(out_base, builder.mul(out_step, builder.add(r, ir.Constant(I64, i))))
             builder.store(builder.fmul(builder.load(sums[i]), scale),
@@ -144,20 +170,30 @@ def _emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_bas
         r = builder.add(r, taken)
 
 
-@intrinsic
-def sixteen_keys(typingctx, rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out,
-                 out_stride, pf_base, again_base):
-    """Scores of ``rows`` (any number) bfloat16 query rows against 16 consecutive bfloat16 key rows
-    (head_dim a multiple of 16, at most MAX_HEAD_DIM), times scale: out + r * out_stride holds
-    row r's 16 (float32). The same rows of the blocks at pf_base and again_base are prefetched
-    (0: none)."""
-    signature = types.void(rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
-                           pf_base, again_base)
+def _make_key_lane_tile(storage):
+    """The key-lane tile of one storage (kernels/_tile_ir.py): bfloat16 query and key rows by
+    vdpbf16ps (``PAIRED``), or float32 queries and float32, float16 or bfloat16 key rows, widened
+    as they are loaded, by FMAs."""
+    @intrinsic
+    def tile(typingctx, rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
+             pf_base, again_base):
+        signature = types.void(rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out,
+                               out_stride, pf_base, again_base)
 
-    def codegen(context, builder, sig, args):
-        as_i64 = [context.cast(builder, value, ty, types.int64) if isinstance(ty, types.Integer)
-                  else value for value, ty in zip(args, sig.args)]
-        _emit(builder, *as_i64)
-        return context.get_dummy_value()
+        def codegen(context, builder, sig, args):
+            as_i64 = [context.cast(builder, value, ty, types.int64) if isinstance(ty, types.Integer)
+                      else value for value, ty in zip(args, sig.args)]
+            _emit(builder, storage, *as_i64)
+            return context.get_dummy_value()
 
-    return signature, codegen
+        return signature, codegen
+
+    tile.__doc__ = (f"Scores of ``rows`` (any number) query rows against 16 consecutive {storage} "
+                    "key rows (head_dim a multiple of 16, at most MAX_HEAD_DIM), times scale: "
+                    "out + r * out_stride holds row r's 16 (float32). The same rows of the "
+                    "blocks at pf_base and again_base are prefetched (0: none).")
+    return tile
+
+
+KEY_LANE_TILES = {storage: _make_key_lane_tile(storage)
+                  for storage in (PAIRED, "float32", "float16", "bfloat16")}

@@ -28,7 +28,8 @@ How the work is shaped:
   float32 math the bfloat16 loops were bound by the CPU's multiply-adds below the memory roof;
   the tiles made S1 decode ~1.6x faster from cache. Prefill over float32 pages (head_dim a
   multiple of 16) computes scores and values by float32 FMA tiles of the same shapes: 1.4-1.7x
-  faster there than Numba's loops; decode too (see :func:`decode`). float16 pages, and bfloat16
+  faster there than Numba's loops; decode too (see :func:`decode`). Prefill items of 32 query
+  rows or more score 16 keys at a time with the keys along the lanes (kernels/_key_lanes.py). float16 pages, and bfloat16
   pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is loaded
   (kernels/page_loops.py: the loops over one page, and :func:`kernel_kind`, which picks). Numba's
   plain loops serve head_dim not a multiple of 16. On CPUs with AMX-BF16, bfloat16 prefill and

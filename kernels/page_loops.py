@@ -1,10 +1,10 @@
 """The loops over one page block that the attention kernels call per page: scores of a block's
 keys for a block of query rows, and the probabilities times its values into their accumulators.
 
-Two forms of each. The register tiles (kernels/_score_tiles.py, kernels/_value_tiles.py) serve
-head_dim a multiple of 16, in one of four *kinds* fixed when a kernel compiles: the FMA tiles of
-each storage (float32, float16, bfloat16) and the vdpbf16ps tiles (``PAIRED``) for bfloat16
-pages; :func:`kernel_kind` picks. Numba's plain loops (:func:`plain_page_scores`,
+Two forms of each. The register tiles (kernels/_score_tiles.py, kernels/_value_tiles.py, and
+for prefill's many query rows kernels/_key_lanes.py) serve head_dim a multiple of 16, in one
+of four *kinds* fixed when a kernel compiles: the FMA tiles of each storage (float32, float16,
+bfloat16) and the vdpbf16ps tiles (``PAIRED``) for bfloat16 pages; :func:`kernel_kind` picks. Numba's plain loops (:func:`plain_page_scores`,
 :func:`plain_page_accumulate`) serve any head_dim. Both prefetch a block ahead as they read
 (kernels/prefetch.py).
 """
@@ -14,7 +14,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
-from pagekv.kernels._key_lanes import KEYS, MAX_HEAD_DIM, sixteen_keys
+from pagekv.kernels._key_lanes import KEY_LANE_TILES, KEYS, MAX_HEAD_DIM
 from pagekv.kernels._math import JIT
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES
 from pagekv.kernels._tile_ir import ACCUMULATORS, LANES, MAX_ROWS, PAIRED
@@ -22,11 +22,12 @@ from pagekv.kernels._value_tiles import EIGHT_ROWS, VALUE_TILES
 from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
 
 # Prefill's query rows from which a page's keys take the key-lane tiles, 16 keys at a time
-# (kernels/_key_lanes.py). From L1 they beat the 8-key tiles at any row count (Zen 4, one
-# process, alternating, key-lane / 8-key time: 16 rows 0.68-0.87 at head_dim 64-128, 1.02-1.04
-# at 256; 32 rows 0.64-0.95; 128 rows 0.62-0.87), but in the kernel, where each 16 keys arrive
-# from L2 into the transpose at once, MHA prefill (16 rows) took 1.07x the time (S3, processes
-# alternating) against 0.91-0.93x for 32 rows and more (S1, S2).
+# (kernels/_key_lanes.py). From L1 the vdpbf16ps ones beat the 8-key tiles at any row count
+# (Zen 4, one process, alternating, key-lane / 8-key time: 16 rows 0.68-0.87 at head_dim 64-128,
+# 1.02-1.04 at 256; 32 rows 0.64-0.95; 128 rows 0.62-0.87), but in the kernel, where each 16 keys
+# arrive from L2 into the transpose at once, MHA prefill (16 rows) took 1.07x the time (S3,
+# processes alternating) against 0.91-0.93x for 32 rows and more (S1, S2). float32 prefill,
+# against the 4 x 4 FMA tiles: S2 0.95, G3 0.97, G8 0.96-0.97, S1 1.00.
 KEY_LANE_ROWS = 32
 
 
@@ -153,24 +154,37 @@ def plain_page_accumulate(scores, r0, num_rows, col, vc, vp, vh, kv_format, num_
                 acc[r, d] += p * load_f32(vc, vp, vh, t, d, kv_format)
 
 
-@njit(inline="never", **JIT)
-def key_lane_scores(num_rows, q, q_row, block, k_row, head_dim, num_tokens, scale, out, s_row, ahead,
-                    again):
-    """Scores of num_rows bfloat16 query rows (address q, q_row bytes apart) against each whole
-    16 of a block's num_tokens key rows by the key-lane tiles (kernels/_key_lanes.py), into out;
-    returns how many key rows were scored (num_tokens rounded down to 16). The same rows of the
-    blocks at ``ahead`` and ``again`` are prefetched (0: none).
+def key_lane_scores(kind, num_rows, q, q_row, block, k_row, head_dim, num_tokens, scale, out, s_row,
+                    ahead, again):
+    """Scores of num_rows query rows (address q, q_row bytes apart) against each whole 16 of a
+    block's num_tokens key rows by the key-lane tiles of ``kind`` (a compile-time constant;
+    kernels/_key_lanes.py), into out; returns how many key rows were scored (num_tokens rounded
+    down to 16). The same rows of the blocks at ``ahead`` and ``again`` are prefetched (0: none).
 
-    A function of its own, not inlined: its tile's 8 KiB stack scratch in the page loop's frame
-    made prefill with fewer rows, which never calls it, 1.10x slower (S3, Zen 4)."""
-    keyed = 0
-    while keyed + KEYS <= num_tokens:
-        pf = ahead + keyed * k_row if ahead != 0 else 0
-        pf_again = again + keyed * k_row if again != 0 else 0
-        sixteen_keys(num_rows, q, q_row, block + keyed * k_row, k_row, head_dim, scale,
-                     out + keyed * 4, s_row, pf, pf_again)
-        keyed += KEYS
-    return keyed
+    Compiled as a function of its own (an overload, chosen by the kind), not inlined: its tile's
+    stack scratch (8-16 KiB) in the page loop's frame made prefill with fewer rows, which never
+    calls it, 1.10x slower (S3, Zen 4)."""
+    raise NotImplementedError("called by the compiled kernels only")
+
+
+@overload(key_lane_scores, prefer_literal=True)
+def _key_lane_scores(kind, num_rows, q, q_row, block, k_row, head_dim, num_tokens, scale, out, s_row,
+                     ahead, again):
+    if not isinstance(kind, types.StringLiteral):
+        return None
+    tile = KEY_LANE_TILES[kind.literal_value]
+
+    def impl(kind, num_rows, q, q_row, block, k_row, head_dim, num_tokens, scale, out, s_row, ahead,
+             again):
+        keyed = 0
+        while keyed + KEYS <= num_tokens:
+            pf = ahead + keyed * k_row if ahead != 0 else 0
+            pf_again = again + keyed * k_row if again != 0 else 0
+            tile(num_rows, q, q_row, block + keyed * k_row, k_row, head_dim, scale, out + keyed * 4,
+                 s_row, pf, pf_again)
+            keyed += KEYS
+        return keyed
+    return impl
 
 
 def tiled_page_loops(kind, *, inline=True, many_rows=False):
@@ -179,17 +193,19 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
 
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
-    into the kernel. ``many_rows`` (vdpbf16ps tiles, AVX-512 only) takes the tiles made for
-    prefill's many query rows per page: every 16 keys of a page by the key-lane tiles where there
-    are KEY_LANE_ROWS rows or more (kernels/_key_lanes.py), else 8 keys at a time where a page has
-    them (kernels/_score_tiles.py, EIGHT_KEYS), and values into 8 accumulator rows at a time where
-    there are 8 (kernels/_value_tiles.py, EIGHT_ROWS); decode takes none of them.
+    into the kernel. ``many_rows`` (AVX-512 only) takes the tiles made for prefill's many query
+    rows per page: every 16 keys of a page by the key-lane tiles where there are KEY_LANE_ROWS
+    rows or more (kernels/_key_lanes.py), and with vdpbf16ps tiles, 8 keys at a time for the rest
+    where a page has them (kernels/_score_tiles.py, EIGHT_KEYS) and values into 8 accumulator
+    rows at a time where there are 8 (kernels/_value_tiles.py, EIGHT_ROWS); decode takes none of
+    them.
     """
     jit = njit(inline="always" if inline else "never", **JIT)
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
-    many_rows = many_rows and kind == PAIRED and ACCUMULATORS >= 16
-    eight_keys = EIGHT_KEYS if many_rows else four_keys  # (neither is called unless many_rows)
-    eight_rows = EIGHT_ROWS if many_rows else values
+    key_lanes = many_rows and ACCUMULATORS >= 16  # 16 accumulators: AVX-512
+    eights = key_lanes and kind == PAIRED
+    eight_keys = EIGHT_KEYS if eights else four_keys  # (neither is called unless eights)
+    eight_rows = EIGHT_ROWS if eights else values
     pairs = kind == PAIRED  # probabilities packed two tokens to a word
 
     @jit
@@ -210,8 +226,8 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
         k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
         block = block_address(kc, kp, kh)
         keyed = 0  # tokens scored by the key-lane tiles, for all rows
-        if many_rows and num_rows >= KEY_LANE_ROWS and head_dim <= MAX_HEAD_DIM:
-            keyed = key_lane_scores(num_rows, q.ctypes.data + r0 * q_row, q_row, block, k_row,
+        if key_lanes and num_rows >= KEY_LANE_ROWS and head_dim <= MAX_HEAD_DIM:
+            keyed = key_lane_scores(kind, num_rows, q.ctypes.data + r0 * q_row, q_row, block, k_row,
                                     head_dim, num_tokens, scale,
                                     scores.ctypes.data + r0 * s_row + col * 4, s_row, ahead, again)
         r = r0
@@ -224,7 +240,7 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
                 pf = ahead + t * k_row if (ahead != 0 and r == r0) else 0
                 pf_again = again + t * k_row if (again != 0 and r == r0) else 0
                 k_t, out_t = block + t * k_row, out + t * 4
-                if many_rows:
+                if eights:
                     if t + 8 <= num_tokens:
                         eight_keys(rows, q_r, q_row, k_t, k_row, head_dim, scale, out_t, s_row, pf,
                                    pf_again)
@@ -263,7 +279,7 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
             rows = min(MAX_ROWS, r0 + num_rows - r)
             pf, pf_again = (ahead, again) if r == r0 else (0, 0)
             a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
-            if many_rows:
+            if eights:
                 if r + 8 <= r0 + num_rows:
                     eight_rows(8, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf,
                                pf_again)
@@ -283,8 +299,8 @@ _TILED = {kind: tiled_page_loops(kind) for kind in KINDS}
 # (kernels/attention.py, _prefill_kernel) they ran 5-13% slower (8/2x64, 32/8x128, 16/16x64, 12
 # process pairs), called they run as fast as they did inlined into the old kernel that held both
 # kinds (0.99-1.01), and compile 2 s faster. Decode keeps them inlined: called, it was 6-16%
-# slower from cache.
-_PREFILL_TILED = dict(_TILED, **{PAIRED: tiled_page_loops(PAIRED, inline=False, many_rows=True)})
+# slower from cache. The FMA kinds' prefill loops stay inlined (their key-lane tiles are called).
+_PREFILL_TILED = {kind: tiled_page_loops(kind, inline=kind != PAIRED, many_rows=True) for kind in KINDS}
 
 
 def kernel_kind(k_cache, kv_format, dot_products):

@@ -16,7 +16,7 @@ from numba import njit
 from kv_builders import bf16_products, to_storage, widen
 from pagekv import attention
 from pagekv.kernels import _tile_ir as tile_ir
-from pagekv.kernels._key_lanes import sixteen_keys
+from pagekv.kernels._key_lanes import KEY_LANE_TILES
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES, _score_order
 from pagekv.kernels._tile_rows import pack_pairs, pair_dim, pair_position, value_dim
 from pagekv.kernels._value_tiles import EIGHT_ROWS, VALUE_TILES
@@ -54,13 +54,15 @@ def _values_harness(storage, eight_rows=False):
     return run
 
 
-def _key_lanes_harness():
-    """Runs prefill's key-lane tile (16 key rows, any number of query rows), compiled on first
-    call as :func:`_scores_harness`."""
+def _key_lanes_harness(storage):
+    """Runs prefill's key-lane tile of ``storage`` (16 key rows, any number of query rows),
+    compiled on first call as :func:`_scores_harness`."""
+    tile = KEY_LANE_TILES[storage]
+
     @njit
     def run(q, k, scale, out, pf):
-        sixteen_keys(q.shape[0], q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0],
-                     q.shape[1], scale, out.ctypes.data, out.strides[0], pf, pf)
+        tile(q.shape[0], q.ctypes.data, q.strides[0], k.ctypes.data, k.strides[0], q.shape[1], scale,
+             out.ctypes.data, out.strides[0], pf, pf)
     return run
 
 
@@ -110,16 +112,17 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
 
 @given(st.sampled_from([1, 2, 3, 8, 15, 16, 17, 24, 31, 32, 33, 64, 97]),
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
-       st.integers(0, 2**16), st.booleans())
-def test_key_lane_tile_matches_float64(rows, head_dim, scale, seed, prefetch):
-    """The key-lane tile (kernels/_key_lanes.py) on rows in tiles of 16 and a rest of 8, 4, 2 and 1,
-    every head_dim chunk count with and without a last 16 dims; query and key rows followed by
-    NaN, so a read past head_dim shows."""
+       st.integers(0, 2**16), st.booleans(), st.sampled_from([PAIRED, "float32", "float16", "bfloat16"]))
+def test_key_lane_tiles_match_float64(rows, head_dim, scale, seed, prefetch, storage):
+    """The key-lane tiles (kernels/_key_lanes.py) on rows in tiles of 16 and a rest of 8, 4, 2 and
+    1, every head_dim chunk count with and without a last 16 dims: bfloat16 queries and keys by
+    vdpbf16ps, or float32 queries and keys of each FMA storage. Query and key rows are followed
+    by NaN, so a read past head_dim shows."""
     rng = np.random.default_rng(seed)
-    q, q64 = _nan_padded_rows(rng, rows, rows, head_dim)
-    k, k64 = _nan_padded_rows(rng, 16, 16, head_dim)
+    q, q64 = _nan_padded_rows(rng, rows, rows, head_dim, "bfloat16" if storage == PAIRED else "float32")
+    k, k64 = _nan_padded_rows(rng, 16, 16, head_dim, "bfloat16" if storage == PAIRED else storage)
     out = np.full((rows, 20), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
-    _key_lanes()(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _key_lanes(storage)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = q64 @ k64.T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :16], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, 16:]).all()
@@ -258,7 +261,7 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
         for tokens, out in outs.items():
             _scores_harness(tokens, PAIRED)(q, k[:tokens], np.float32(0.125), out, 0)
         key_lanes = np.zeros((4, 16), np.float32)
-        _key_lanes_harness()(q, v, np.float32(0.125), key_lanes, 0)
+        _key_lanes_harness(PAIRED)(q, v, np.float32(0.125), key_lanes, 0)
         acc = acc0.copy()
         values(acc, v, packed, 15, 0)
         results.append((outs[8], outs[4], key_lanes, acc))
