@@ -55,29 +55,34 @@ def _interleave(builder, v0, v1, width):
     return [builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, PAIRS), list(range(PAIRS))))]
 
 
-def _make_pv_tile(*, storage=PAIRED, rows_fixed=None):
-    """Value tiles of ``rows`` (1-4, the first argument) accumulator rows: bfloat16 value rows by
-    vdpbf16ps with packed probability pairs (``storage=PAIRED``), or float32, float16 or bfloat16
-    value rows (widened as they are loaded) and float32 probabilities by FMAs; with bfloat16 rows
-    and PAIR_ORDER the accumulator rows are in pair order (kernels/_tile_rows.py). With
-    ``rows_fixed`` (vdpbf16ps only) the tile is of that many rows whatever its first argument."""
+def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
+    """Value tiles of ``rows`` (1-4, the first argument) accumulator rows over one block:
+    bfloat16 value rows by vdpbf16ps with packed probability pairs (``storage=PAIRED``), or
+    float32, float16 or bfloat16 value rows (widened as they are loaded) and float32
+    probabilities by FMAs; with bfloat16 rows and PAIR_ORDER the accumulator rows are in pair
+    order (kernels/_tile_rows.py). With ``chunk_rows`` (vdpbf16ps only) the tile of that many
+    rows (whatever its first argument) over a chunk's blocks, listed in an array."""
+    blocks = chunk_rows is not None
+
     def emit(builder, rows, *args):
-        acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
-        pf = or_current(builder, args[8:], v_first)
-        if storage != PAIRED:
-            _values_f32(builder, rows, *args[:8], pf, storage=storage)
-            return
+        if blocks:  # a chunk's blocks, their addresses and those to prefetch in int64 arrays
+            (acc_first, acc_step, blocks_base, aheads_base, num_blocks, block_tokens, last_tokens,
+             v_step, p_first, p_step, dims) = args
+            # No blocks to prefetch (aheads_base 0): each block's own address instead.
+            aheads_base = or_current(builder, [aheads_base], blocks_base)[0]
+        else:
+            acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
+            pf = or_current(builder, args[8:], v_first)
+            if storage != PAIRED:
+                _values_f32(builder, rows, *args[:8], pf, storage=storage)
+                return
         sums = zero_accumulators(builder, 2 * rows)
-        num_pairs = builder.lshr(n, ir.Constant(I64, 1))
 
         def acc_pointer(r, half, offset):  # offset: bytes into a bfloat16 row
             base = builder.add(acc_first, builder.mul(acc_step, ir.Constant(I64, r)))
             address = builder.add(builder.add(base, builder.mul(offset, ir.Constant(I64, 2))),
                                   ir.Constant(I64, half * LANES * 4))
             return builder.inttoptr(address, F32X16.as_pointer())
-
-        def load_row(row, width):
-            return load(builder, builder.add(v_first, row), ir.VectorType(I16, width))
 
         def accumulate(pair_vectors, pair):
             for r in range(rows):
@@ -88,34 +93,57 @@ def _make_pv_tile(*, storage=PAIRED, rows_fixed=None):
                     s = sums[2 * r + half]
                     builder.store(dot_pairs(builder, builder.load(s), pairs, probs), s)
 
-        def values(offset, width):
-            """The pass over ``width`` bfloat16 of every value row from ``offset`` bytes into it;
-            it prefetches its share of the block ahead in memory order, as _values_f32 does.
+        def block_pass(v_first, n, pf, first_pair, offset, width):
+            """The pass's ``width`` bfloat16 of the n value rows of the block at v_first, from
+            ``offset`` bytes into each; its probabilities are pairs first_pair onwards. It
+            prefetches its share of the blocks ahead (pf) in memory order, as _values_f32 does.
             Prefetched in the columns it reads (the FMA tiles' old way, kept here when they
             changed), the vdpbf16ps decode from memory had fallen behind the FMA tiles on
             bfloat16 rows: AMD EPYC Zen 4, paired rounds, FMA ÷ vdpbf16ps time 0.92 (S1), 0.96
             (S2), now 0.98, 1.05; against the column prefetch, processes alternating, S1/S2/G3/
             G7/G8 0.94-1.01x the time (two runs), from L2 1.00x / 0.98x (S1 / G8)."""
-            halves = width // LANES
             row_bytes = 2 * width
             share = builder.mul(offset, n)  # where this pass's share of the block ahead starts
-            for r in range(rows):
-                for half in range(halves):
-                    builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
+            num_pairs = builder.lshr(n, ir.Constant(I64, 1))
+
+            def load_row(row):
+                return load(builder, builder.add(v_first, row), ir.VectorType(I16, width))
+
             with cgutils.for_range(builder, num_pairs) as loop:
                 token = builder.mul(loop.index, ir.Constant(I64, 2))
                 _prefetch_share(builder, pf, share, token, row_bytes, 2)
                 row0 = builder.add(builder.mul(v_step, token), offset)
                 row1 = builder.add(row0, v_step)
-                accumulate(_interleave(builder, load_row(row0, width), load_row(row1, width), width),
-                           loop.index)
+                accumulate(_interleave(builder, load_row(row0), load_row(row1), width),
+                           builder.add(first_pair, loop.index))
             odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
             with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
                 last = builder.sub(n, ir.Constant(I64, 1))
                 _prefetch_share(builder, pf, share, last, row_bytes, 1)
                 row0 = builder.add(builder.mul(v_step, last), offset)
                 zeros = ir.Constant(ir.VectorType(I16, width), [0] * width)
-                accumulate(_interleave(builder, load_row(row0, width), zeros, width), num_pairs)
+                accumulate(_interleave(builder, load_row(row0), zeros, width),
+                           builder.add(first_pair, num_pairs))
+
+        def values(offset, width):
+            """The pass over ``width`` bfloat16 of every value row from ``offset`` bytes into it,
+            the accumulators' columns held in registers across the block (or all blocks)."""
+            halves = width // LANES
+            for r in range(rows):
+                for half in range(halves):
+                    builder.store(builder.load(acc_pointer(r, half, offset), align=4), sums[2 * r + half])
+            if blocks:
+                with cgutils.for_range(builder, num_blocks) as loop:
+                    entry = builder.mul(loop.index, ir.Constant(I64, 8))
+                    block = builder.load(builder.inttoptr(builder.add(blocks_base, entry), I64.as_pointer()))
+                    ahead = builder.load(builder.inttoptr(builder.add(aheads_base, entry), I64.as_pointer()))
+                    is_last = builder.icmp_unsigned("==", loop.index,
+                                                    builder.sub(num_blocks, ir.Constant(I64, 1)))
+                    first_pair = builder.mul(loop.index, builder.lshr(block_tokens, ir.Constant(I64, 1)))
+                    block_pass(block, builder.select(is_last, last_tokens, block_tokens),
+                               or_current(builder, [ahead], block), first_pair, offset, width)
+            else:
+                block_pass(v_first, n, pf, ir.Constant(I64, 0), offset, width)
             for r in range(rows):
                 for half in range(halves):
                     builder.store(builder.load(sums[2 * r + half]), acc_pointer(r, half, offset), align=4)
@@ -131,7 +159,8 @@ def _make_pv_tile(*, storage=PAIRED, rows_fixed=None):
         in_order = builder.icmp_unsigned("<=", dims, ir.Constant(I64, ROW_REGISTERS * LANES))
         with builder.if_else(in_order) as (short_rows, long_rows):
             with short_rows:
-                _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf)
+                _values_in_order(builder, dims, n, builder.lshr(n, ir.Constant(I64, 1)), v_first,
+                                 v_step, p_first, acc_first, pf)
             with long_rows:
                 over_head_dim(builder, dims, values)
 
@@ -142,14 +171,32 @@ def _make_pv_tile(*, storage=PAIRED, rows_fixed=None):
                                num_tokens, head_dim, pf_base, again_base)
 
         def codegen(context, builder, sig, args):
-            if rows_fixed:
-                emit(builder, rows_fixed, *args[1:])
-            else:
-                rows_switch(builder, args[0], lambda n: emit(builder, n, *args[1:]))
+            rows_switch(builder, args[0], lambda n: emit(builder, n, *args[1:]))
             return context.get_dummy_value()
 
         return signature, codegen
 
+    @intrinsic
+    def chunk_tile(typingctx, rows, acc_base, acc_stride, blocks_base, aheads_base, num_blocks,
+                   block_tokens, last_tokens, v_stride, p_base, p_stride, head_dim):
+        signature = types.void(rows, acc_base, acc_stride, blocks_base, aheads_base, num_blocks,
+                               block_tokens, last_tokens, v_stride, p_base, p_stride, head_dim)
+
+        def codegen(context, builder, sig, args):
+            as_i64 = [context.cast(builder, value, ty, types.int64) for value, ty in zip(args, sig.args)]
+            emit(builder, chunk_rows, *as_i64[1:])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    if blocks:
+        chunk_tile.__doc__ = (
+            f"acc[r] += p[r] @ v for {chunk_rows} rows over a chunk's num_blocks value blocks (their "
+            "addresses an int64 array at blocks_base, block_tokens rows each, the last "
+            "last_tokens), the accumulators' columns in registers across all of them; "
+            "probabilities packed as bfloat16 pairs, the chunk's in order; each block's share of "
+            "the block at aheads_base's entry is prefetched (aheads_base 0: none).")
+        return chunk_tile
     tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
                     + (f"{storage} value rows (head_dim a multiple of 16) and float32 probabilities, "
                        "one per token." if storage != PAIRED else
@@ -321,9 +368,14 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
 # Why each storage has its tiles: kernels/_score_tiles.py, SCORE_TILES.
 VALUE_TILES = {storage: _make_pv_tile(storage=storage)
                for storage in (PAIRED, "float32", "float16", "bfloat16")}
-# Prefill's vdpbf16ps value tile of 8 accumulator rows (AVX-512: 16 accumulators), for the query
-# rows of a prefill item (16 tokens x a GQA group): each token pair's value rows are loaded and
-# interleaved once for 8 rows instead of twice for two tiles of 4. AMD EPYC Zen 4, processes
-# alternating, bfloat16 chunked prefill over the 8-key score tiles alone: S1 0.951-0.961x the
-# time, S3 0.965, G2 0.955, G3 0.954 (a first run 1.08, within its spread), G8 0.950.
-EIGHT_ROWS = _make_pv_tile(rows_fixed=8)
+# Prefill's vdpbf16ps value tile of 8 accumulator rows (AVX-512: 16 accumulators) over all of a
+# chunk's pages in one call, for the query rows of a prefill item (16 tokens x a GQA group).
+# 8 rows, not two tiles of 4: each token pair's value rows are loaded and interleaved once for 8
+# rows instead of twice. AMD EPYC Zen 4, processes alternating, bfloat16 chunked prefill over the
+# 8-key score tiles alone: S1 0.951-0.961x the time, S3 0.965, G2 0.955, G3 0.954 (a first run
+# 1.08, within its spread), G8 0.950. A chunk, not a page: the accumulators' columns stay in
+# registers across the chunk instead of being loaded and stored per page. From L1 the 8-row tile
+# over one 16-token block ran at 2.8 G vdpbf16ps per second, over one of 64 tokens at 3.4 (Zen 4,
+# head_dim 64-128); bfloat16 chunked prefill, processes alternating, against a tile per page:
+# S1 0.905x the time, S3 0.896, G3 0.887, G8 0.931.
+EIGHT_ROWS_CHUNK = _make_pv_tile(chunk_rows=8)

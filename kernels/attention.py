@@ -29,7 +29,8 @@ How the work is shaped:
   the tiles made S1 decode ~1.6x faster from cache. Prefill over float32 pages (head_dim a
   multiple of 16) computes scores and values by float32 FMA tiles of the same shapes: 1.4-1.7x
   faster there than Numba's loops; decode too (see :func:`decode`). Prefill items of 32 query
-  rows or more score 16 keys at a time with the keys along the lanes (kernels/_key_lanes.py). float16 pages, and bfloat16
+  rows or more score 16 keys at a time with the keys along the lanes (kernels/_key_lanes.py),
+  and take a chunk's value blocks in one tile per 8 rows (vdpbf16ps). float16 pages, and bfloat16
   pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is loaded
   (kernels/page_loops.py: the loops over one page, and :func:`kernel_kind`, which picks). Numba's
   plain loops serve head_dim not a multiple of 16. On CPUs with AMX-BF16, bfloat16 prefill and
@@ -49,8 +50,8 @@ from pagekv.kernels._tile_ir import PAIR_ORDER, PAIRED
 from pagekv.kernels._tile_rows import pack_pairs
 from pagekv.kernels.online_softmax import (dot_scratch, finish_row, softmax_update, start_decode_item,
                                            start_prefill_item, thread_scratch)
-from pagekv.kernels.page_loops import (DECODE_SCORES, DECODE_VALUES, KINDS, PREFILL_SCORES,
-                                       PREFILL_VALUES, kernel_kind, plain_page_accumulate,
+from pagekv.kernels.page_loops import (DECODE_SCORES, DECODE_VALUES, KINDS, PREFILL_CHUNK_VALUES,
+                                       PREFILL_SCORES, kernel_kind, plain_page_accumulate,
                                        plain_page_scores, takes_fma_tiles)
 from pagekv.kernels.prefetch import block_address
 
@@ -291,6 +292,7 @@ def _prefill_kernel(kind):
             qs, acc, m, l, qpos, scores = thread_scratch(max_rows, chunk_pages * page_size, head_dim)
             q_bits, packed = dot_scratch(max_rows, chunk_pages * page_size, head_dim, dots)
             slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
+            blocks, aheads = np.empty(chunk_pages, np.int64), np.empty(chunk_pages, np.int64)
             slot = slots.claim(next_slot)
             while slot < num_slots:
                 for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
@@ -324,22 +326,23 @@ def _prefill_kernel(kind):
                                        soft_cap, slopes, m, l, acc)
                         if dots:
                             pack_pairs(scores, 0, num_rows, num_cols, packed)
-                        for p in range(first, last):
+                        for p in range(first, last):  # the tiles take the chunk's blocks at once
                             ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
                                                    page_end, chunk_pages, True, prefetch_blocks)
-                            num_tokens = min(page_size, seq_len - p * page_size)
-                            if not tiles:
+                            if tiles:
+                                blocks[p - first] = block_address(v_cache, block_table[seq, p], head)
+                                aheads[p - first] = ahead
+                            else:
                                 plain_page_accumulate(scores, 0, num_rows, (p - first) * page_size,
                                                       v_cache, block_table[seq, p], head, kv_format,
-                                                      num_tokens, acc, ahead)
-                            elif fma:
-                                PREFILL_VALUES(kind, scores, 0, num_rows, (p - first) * page_size,
-                                               v_cache, block_table[seq, p], head, num_tokens, acc,
-                                               ahead, 0)
-                            else:
-                                PREFILL_VALUES(kind, packed, 0, num_rows, (p - first) * page_size,
-                                               v_cache, block_table[seq, p], head, num_tokens, acc,
-                                               ahead, 0)
+                                                      min(page_size, seq_len - p * page_size), acc, ahead)
+                        last_tokens = min(page_size, seq_len - (last - 1) * page_size)
+                        if tiles and fma:
+                            PREFILL_CHUNK_VALUES(kind, scores, 0, num_rows, v_cache, blocks, aheads,
+                                                 last - first, last_tokens, acc)
+                        elif tiles:
+                            PREFILL_CHUNK_VALUES(kind, packed, 0, num_rows, v_cache, blocks, aheads,
+                                                 last - first, last_tokens, acc)
                     for i in range(row_end - row_begin):
                         for g in range(group):
                             r = i * group + g

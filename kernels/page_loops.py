@@ -4,9 +4,10 @@ keys for a block of query rows, and the probabilities times its values into thei
 Two forms of each. The register tiles (kernels/_score_tiles.py, kernels/_value_tiles.py, and
 for prefill's many query rows kernels/_key_lanes.py) serve head_dim a multiple of 16, in one
 of four *kinds* fixed when a kernel compiles: the FMA tiles of each storage (float32, float16,
-bfloat16) and the vdpbf16ps tiles (``PAIRED``) for bfloat16 pages; :func:`kernel_kind` picks. Numba's plain loops (:func:`plain_page_scores`,
-:func:`plain_page_accumulate`) serve any head_dim. Both prefetch a block ahead as they read
-(kernels/prefetch.py).
+bfloat16) and the vdpbf16ps tiles (``PAIRED``) for bfloat16 pages; :func:`kernel_kind` picks.
+Numba's plain loops (:func:`plain_page_scores`, :func:`plain_page_accumulate`) serve any
+head_dim. Both prefetch a block ahead as they read (kernels/prefetch.py). Prefill's values go a
+chunk of pages at a time (:func:`tiled_page_loops`' chunk_accumulate).
 """
 
 import numpy as np
@@ -18,7 +19,7 @@ from pagekv.kernels._key_lanes import KEY_LANE_TILES, KEYS, MAX_HEAD_DIM
 from pagekv.kernels._math import JIT
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES
 from pagekv.kernels._tile_ir import ACCUMULATORS, LANES, MAX_ROWS, PAIRED
-from pagekv.kernels._value_tiles import EIGHT_ROWS, VALUE_TILES
+from pagekv.kernels._value_tiles import EIGHT_ROWS_CHUNK, VALUE_TILES
 from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
 
 # Prefill's query rows from which a page's keys take the key-lane tiles, 16 keys at a time
@@ -196,16 +197,18 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
     into the kernel. ``many_rows`` (AVX-512 only) takes the tiles made for prefill's many query
     rows per page: every 16 keys of a page by the key-lane tiles where there are KEY_LANE_ROWS
     rows or more (kernels/_key_lanes.py), and with vdpbf16ps tiles, 8 keys at a time for the rest
-    where a page has them (kernels/_score_tiles.py, EIGHT_KEYS) and values into 8 accumulator
-    rows at a time where there are 8 (kernels/_value_tiles.py, EIGHT_ROWS); decode takes none of
-    them.
+    where a page has them (kernels/_score_tiles.py, EIGHT_KEYS) and a chunk's values into 8
+    accumulator rows at a time where there are 8 (kernels/_value_tiles.py, EIGHT_ROWS_CHUNK);
+    decode takes none of them.
+
+    Returns (page_scores, page_accumulate, chunk_accumulate): decode calls the first two, page by
+    page; prefill the first and the last, which takes a chunk's value blocks at once.
     """
     jit = njit(inline="always" if inline else "never", **JIT)
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
     key_lanes = many_rows and ACCUMULATORS >= 16  # 16 accumulators: AVX-512
     eights = key_lanes and kind == PAIRED
     eight_keys = EIGHT_KEYS if eights else four_keys  # (neither is called unless eights)
-    eight_rows = EIGHT_ROWS if eights else values
     pairs = kind == PAIRED  # probabilities packed two tokens to a word
 
     @jit
@@ -279,16 +282,39 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
             rows = min(MAX_ROWS, r0 + num_rows - r)
             pf, pf_again = (ahead, again) if r == r0 else (0, 0)
             a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
-            if eights:
-                if r + 8 <= r0 + num_rows:
-                    eight_rows(8, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf,
-                               pf_again)
-                    r += 8
-                    continue
             values(rows, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
             r += rows
 
-    return page_scores, page_accumulate
+    @jit
+    def chunk_accumulate(probs, r0, num_rows, vc, blocks, aheads, num_blocks, last_tokens, acc):
+        """:func:`page_accumulate` over a chunk's num_blocks value blocks at once: their addresses
+        blocks[:num_blocks], the blocks to prefetch while reading them aheads[:num_blocks] (0:
+        none), each page_size value rows but the last (last_tokens); the chunk's probabilities from
+        column 0. With ``many_rows`` (vdpbf16ps) each 8 accumulator rows take all the blocks in one
+        tile, their columns held in registers across the chunk (EIGHT_ROWS_CHUNK); other rows
+        take the value tiles block by block."""
+        head_dim, page_size, v_row = vc.shape[3], vc.shape[2], vc.strides[2]
+        a_row, p_row = acc.strides[0], probs.strides[0]
+        r = r0
+        if eights:
+            while r + 8 <= r0 + num_rows:
+                EIGHT_ROWS_CHUNK(8, acc.ctypes.data + r * a_row, a_row, blocks.ctypes.data,
+                                 aheads.ctypes.data if r == r0 else 0, num_blocks, page_size,
+                                 last_tokens, v_row, probs.ctypes.data + r * p_row, p_row, head_dim)
+                r += 8
+        for b in range(num_blocks):
+            num_tokens = last_tokens if b == num_blocks - 1 else page_size
+            col = b * page_size
+            first_prob = (col // 2) * 4 if pairs else col * 4
+            rest = r
+            while rest < r0 + num_rows:
+                rows = min(MAX_ROWS, r0 + num_rows - rest)
+                pf = aheads[b] if rest == r0 else 0
+                values(rows, acc.ctypes.data + rest * a_row, a_row, blocks[b], v_row,
+                       probs.ctypes.data + rest * p_row + first_prob, p_row, num_tokens, head_dim, pf, 0)
+                rest += rows
+
+    return page_scores, page_accumulate, chunk_accumulate
 
 
 # The kernel kinds: the FMA tiles of each storage (kernels/_dtypes.py), and the vdpbf16ps tiles.
@@ -351,11 +377,24 @@ def _by_storage(loops):
             loop(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again)
         return impl
 
-    return page_scores, page_accumulate
+    def chunk_accumulate(kind, probs, r0, num_rows, vc, blocks, aheads, num_blocks, last_tokens, acc):
+        raise NotImplementedError("called by the compiled kernels only")
+
+    @overload(chunk_accumulate, prefer_literal=True, inline="always")
+    def _chunk_values(kind, probs, r0, num_rows, vc, blocks, aheads, num_blocks, last_tokens, acc):
+        if not isinstance(kind, types.StringLiteral):
+            return None
+        loop = loops[kind.literal_value][2]
+
+        def impl(kind, probs, r0, num_rows, vc, blocks, aheads, num_blocks, last_tokens, acc):
+            loop(probs, r0, num_rows, vc, blocks, aheads, num_blocks, last_tokens, acc)
+        return impl
+
+    return page_scores, page_accumulate, chunk_accumulate
 
 
-DECODE_SCORES, DECODE_VALUES = _by_storage(_TILED)
-PREFILL_SCORES, PREFILL_VALUES = _by_storage(_PREFILL_TILED)
+DECODE_SCORES, DECODE_VALUES, _ = _by_storage(_TILED)
+PREFILL_SCORES, _, PREFILL_CHUNK_VALUES = _by_storage(_PREFILL_TILED)
 
 
 @njit(inline="always", **JIT)

@@ -207,13 +207,14 @@ def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_page
                                             ("float16", False), ("bfloat16", False)])
 @pytest.mark.parametrize("page_size, head_dim, group", [(16, 128, 2), (18, 80, 4), (48, 256, 3),
                                                       (64, 112, 8)])
-def test_prefill_key_lane_tiles_match_reference(page_size, head_dim, group, kind, products):
+def test_prefill_many_row_tiles_match_reference(page_size, head_dim, group, kind, products):
     """Prefill with 32 or more query rows per item scores each whole 16 of a page's keys by the
     key-lane tiles (kernels/_key_lanes.py; AVX-512 only, elsewhere other tiles pass it), of every
-    kind: vdpbf16ps, and the FMA tiles of each storage. Page sizes that are and are not
-    multiples of 16 (18: 16 keys by them, 2 by the others), pages ending mid-way, items of
-    32-128 rows, some in tiles of 16 rows and a rest (13 tokens x group 3, 4 or 8), and items
-    under 32 rows, with the masking options."""
+    kind: vdpbf16ps, and the FMA tiles of each storage; with vdpbf16ps each 8 rows take a chunk's
+    value blocks in one tile (EIGHT_ROWS_CHUNK). Page sizes that are and are not multiples of 16
+    (18: 16 keys by them, 2 by the others), pages ending mid-way, items of 32-128 rows, some in
+    tiles of 16 rows and a rest (13 tokens x group 3, 4 or 8), and items under 32 rows, with the
+    masking options."""
     rng = np.random.default_rng(page_size)
     kv = PagedKV(rng, [40, 97, 300], num_kv_heads=2, head_dim=head_dim, page_size=page_size, kind=kind)
     qo_indptr = np.array([0, 16, 61, 191], np.int32)  # 45 tokens: 16, 16, then 13 x group rows

@@ -19,7 +19,7 @@ from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._key_lanes import KEY_LANE_TILES
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES, _score_order
 from pagekv.kernels._tile_rows import pack_pairs, pair_dim, pair_position, value_dim
-from pagekv.kernels._value_tiles import EIGHT_ROWS, VALUE_TILES
+from pagekv.kernels._value_tiles import EIGHT_ROWS_CHUNK, VALUE_TILES
 
 ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops take
 
@@ -41,11 +41,10 @@ def _scores_harness(tokens, storage):
     return run
 
 
-def _values_harness(storage, eight_rows=False):
+def _values_harness(storage):
     """Runs one value tile for value rows of ``storage``, compiled on first call: float32
-    probabilities, or packed pairs of them for bfloat16 rows; prefill's tile of 8 rows if
-    ``eight_rows``."""
-    tile = EIGHT_ROWS if eight_rows else VALUE_TILES[storage]
+    probabilities, or packed pairs of them for bfloat16 rows."""
+    tile = VALUE_TILES[storage]
 
     @njit
     def run(acc, v, probs, num_tokens, pf):
@@ -176,7 +175,7 @@ def test_fma_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, 
                       storage, scale, prefetch)
 
 
-@given(st.sampled_from((8,) + ROWS), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
+@given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
        st.integers(1, 16),
        st.integers(0, 2**16))
 def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
@@ -193,8 +192,42 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     expected = acc + rounded @ v64[:num_tokens]
     order = _value_order(head_dim)  # the tile keeps dimension order[j] at position j
     tile_acc = acc[:, order].copy()
-    _values(PAIRED, rows == 8)(tile_acc, v, packed, num_tokens, v.ctypes.data)
+    _values(PAIRED)(tile_acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(tile_acc, expected[:, order], rtol=1e-5, atol=1e-5)
+
+
+@njit
+def _chunk_values(acc, blocks, aheads, block_tokens, last_tokens, v_row, packed, head_dim):
+    EIGHT_ROWS_CHUNK(8, acc.ctypes.data, acc.strides[0], blocks.ctypes.data, aheads, blocks.shape[0],
+                     block_tokens, last_tokens, v_row, packed.ctypes.data, packed.strides[0], head_dim)
+
+
+@given(st.sampled_from([16, 48, 80, 128, 256]), st.integers(1, 5), st.sampled_from([2, 16, 18]),
+       st.data(), st.integers(0, 2**16), st.booleans())
+def test_chunk_value_tile_matches_float64_over_scattered_blocks(head_dim, num_blocks, block_tokens,
+                                                                data, seed, prefetch):
+    """Prefill's 8-row value tile over a chunk of blocks (EIGHT_ROWS_CHUNK), each a separate array
+    (scattered in memory), block_tokens rows each but the last (1 .. block_tokens, odd or even);
+    rows past each block's tokens and the gaps after each row NaN; the probabilities one packed
+    run over the chunk."""
+    rng = np.random.default_rng(seed)
+    last_tokens = data.draw(st.integers(1, block_tokens))
+    counts = [block_tokens] * (num_blocks - 1) + [last_tokens]
+    pages = [_nan_padded_rows(rng, block_tokens, n, head_dim) for n in counts]
+    blocks = np.array([bits.ctypes.data for bits, _ in pages], np.int64)
+    values64 = np.concatenate([values[:n] for (_, values), n in zip(pages, counts)])
+    num_cols = sum(counts)
+    p = rng.random((8, num_cols)).astype(np.float32)
+    packed = np.zeros((8, num_cols // 2 + 1), np.uint32)
+    _pack(p, num_cols, packed)
+    acc = rng.standard_normal((8, head_dim)).astype(np.float32)
+    expected = acc + widen(to_storage(p, "bfloat16"), "bfloat16") @ values64
+    positions = _value_order(head_dim)
+    tile_acc = acc[:, positions].copy()
+    aheads = blocks[::-1].copy()  # other blocks of the chunk: prefetching never changes a result
+    _chunk_values(tile_acc, blocks, aheads.ctypes.data if prefetch else 0, block_tokens, last_tokens,
+                  pages[0][0].strides[0], packed, head_dim)
+    np.testing.assert_allclose(tile_acc, expected[:, positions], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 80, 128, 272])
