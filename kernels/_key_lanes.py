@@ -22,13 +22,12 @@ gains: from L1, float32, key-lane / 4 x 4 tile time 0.69-0.97 at 64-128 rows, 0.
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from pagekv.kernels._tile_ir import (
     CACHE_LINE, F32, F32X16, I16, I32, I32X16, I64, LANES, PAIRED, PAIRS, dot_pairs, load,
-    load_wide, multiply_add, or_current, prefetch_each, prefetch_line, splat, zero_accumulators)
+    load_wide, multiply_add, or_current, prefetch_each, prefetch_line, score_tile, splat,
+    zero_accumulators)
 
 KEYS = LANES  # key rows per tile: one per float32 lane
 MAX_HEAD_DIM = 256  # the transposed keys' stack scratch holds this many dimensions
@@ -174,25 +173,11 @@ def _make_key_lane_tile(storage):
     """The key-lane tile of one storage (kernels/_tile_ir.py): bfloat16 query and key rows by
     vdpbf16ps (``PAIRED``), or float32 queries and float32, float16 or bfloat16 key rows, widened
     as they are loaded, by FMAs."""
-    @intrinsic
-    def tile(typingctx, rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
-             pf_base, again_base):
-        signature = types.void(rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out,
-                               out_stride, pf_base, again_base)
-
-        def codegen(context, builder, sig, args):
-            as_i64 = [context.cast(builder, value, ty, types.int64) if isinstance(ty, types.Integer)
-                      else value for value, ty in zip(args, sig.args)]
-            _emit(builder, storage, *as_i64)
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    tile.__doc__ = (f"Scores of ``rows`` (any number) query rows against 16 consecutive {storage} "
-                    "key rows (head_dim a multiple of 16, at most MAX_HEAD_DIM), times scale: "
-                    "out + r * out_stride holds row r's 16 (float32). The same rows of the "
-                    "blocks at pf_base and again_base are prefetched (0: none).")
-    return tile
+    return score_tile(lambda builder, args: _emit(builder, storage, *args),
+                      f"Scores of ``rows`` (any number) query rows against 16 consecutive {storage} "
+                      "key rows (head_dim a multiple of 16, at most MAX_HEAD_DIM), times scale: "
+                      "out + r * out_stride holds row r's 16 (float32). The same rows of the "
+                      "blocks at pf_base and again_base are prefetched (0: none).")
 
 
 KEY_LANE_TILES = {storage: _make_key_lane_tile(storage)

@@ -10,9 +10,7 @@ their key rows, the tiles prefetch the same rows of two blocks ahead (kernels/pr
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 # The register budget (ACCUMULATORS, PAIR_ORDER) is read from the module as each tile compiles,
 # so a test can compile the tiles for another CPU's budget.
@@ -20,7 +18,8 @@ from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._tile_ir import (
     CACHE_LINE, F32, F32X16, I16, I32, I64, LANES, PAIR_BLOCK, PAIRED, dot_pairs,
     four_sums, join, lane_sums, load, load_bf16, load_bf16_pairs, load_wide, multiply_add,
-    or_current, over_head_dim, prefetch_line, prefetch_lines, rows_switch, splat, zero_accumulators)
+    or_current, over_head_dim, prefetch_line, prefetch_lines, rows_switch, score_tile, splat,
+    zero_accumulators)
 
 
 def _score_order(rows, tokens):
@@ -210,23 +209,12 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             row = builder.shuffle_vector(*totals, lanes)
             builder.store(row, builder.inttoptr(address, row_type.as_pointer()), align=4)
 
-    @intrinsic
-    def tile(typingctx, rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
-             pf_base, again_base):
-        signature = types.void(rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out,
-                               out_stride, pf_base, again_base)
-
-        def codegen(context, builder, sig, args):
-            rows_switch(builder, args[0], lambda n: emit(builder, n, *args[1:]))
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    tile.__doc__ = (f"Scores of ``rows`` (1-4) query rows against {tokens} consecutive key rows "
-                    f"({storage} keys, head_dim a multiple of 16), times "
-                    "scale: out + r * out_stride holds row r's. The same rows of the blocks at "
-                    "pf_base and again_base are prefetched (0: none, the tile's own rows again).")
-    return tile
+    return score_tile(lambda builder, args: rows_switch(builder, args[0],
+                                                       lambda n: emit(builder, n, *args[1:])),
+                      f"Scores of ``rows`` (1-4) query rows against {tokens} consecutive key rows "
+                      f"({storage} keys, head_dim a multiple of 16), times scale: out + r * "
+                      "out_stride holds row r's. The same rows of the blocks at pf_base and "
+                      "again_base are prefetched (0: none, the tile's own rows again).")
 
 
 # A GQA group's query rows take tiles of 4 rows, and one tile of 3, 2 or 1 for the rest: each tile

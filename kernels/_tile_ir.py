@@ -42,7 +42,9 @@ the value tile 0.70-1.05x; S1 bfloat16 decode from L2 30-33 -> 38-41 GFMA/s, G8 
 
 import llvmlite.binding as llvm  # type: ignore[import-untyped]
 from llvmlite import ir  # type: ignore[import-untyped]
+from numba import types
 from numba.core import cgutils
+from numba.extending import intrinsic
 
 from pagekv.kernels import prefetch
 from pagekv.kernels.prefetch import CACHE_LINE, emit_prefetch
@@ -326,3 +328,25 @@ def rows_switch(builder, rows, emit):
     for n in range(MAX_ROWS, 0, -1):
         with builder.if_then(builder.icmp_signed("==", rows, ir.Constant(rows.type, n))):
             emit(n)
+
+
+def score_tile(emit, doc):
+    """A Numba intrinsic with the score tiles' arguments (rows, q_base, q_stride, k_base,
+    k_stride, head_dim, scale, out, out_stride, pf_base, again_base) whose code is
+    ``emit(builder, args)``, the integer arguments as 64-bit integers."""
+    @intrinsic
+    def tile(typingctx, rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out, out_stride,
+             pf_base, again_base):
+        signature = types.void(rows, q_base, q_stride, k_base, k_stride, head_dim, scale, out,
+                               out_stride, pf_base, again_base)
+
+        def codegen(context, builder, sig, args):
+            emit(builder, [context.cast(builder, value, ty, types.int64)
+                           if isinstance(ty, types.Integer) else value
+                           for value, ty in zip(args, sig.args)])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    tile.__doc__ = doc
+    return tile

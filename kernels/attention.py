@@ -50,18 +50,27 @@ from pagekv.kernels._tile_ir import PAIR_ORDER, PAIRED
 from pagekv.kernels._tile_rows import pack_pairs
 from pagekv.kernels.online_softmax import (dot_scratch, finish_row, softmax_update, start_decode_item,
                                            start_prefill_item, thread_scratch)
-from pagekv.kernels.page_loops import (DECODE_SCORES, DECODE_VALUES, KINDS, PREFILL_CHUNK_VALUES,
-                                       PREFILL_SCORES, kernel_kind, plain_page_accumulate,
+from pagekv.kernels.page_loops import (DECODE_SCORES, DECODE_VALUES, KEY_LANE_ROWS, KINDS,
+                                       PREFILL_CHUNK_VALUES, PREFILL_SCORES, kernel_kind, plain_page_accumulate,
                                        plain_page_scores, takes_fma_tiles)
 from pagekv.kernels.prefetch import block_address
 
-QUERY_BLOCK = 16  # prefill query tokens per work item
+QUERY_BLOCK = 16  # prefill query tokens per work item (at least: query_tokens)
 # Keys per online-softmax update: pages are folded in chunks of this many tokens (whole pages), so
 # small pages do not pay the per-update costs (max, rescale of the accumulators) every 16 tokens.
 # Measured on S1 (float32, page 16): 15.5 GB/s folding per page, 17.9 per 64 tokens, 19.1 per 128,
 # 19.5 per 256 (S3: 26.1 -> 35.2); page 128 folded per page had reached 23.7.
 CHUNK_TOKENS = 256
 
+
+
+@njit(inline="always", **JIT)
+def query_tokens(group):
+    """Query tokens per prefill work item of :func:`prefill` for a GQA group of ``group`` query
+    heads: QUERY_BLOCK, or more where that would give an item fewer than KEY_LANE_ROWS rows (MHA:
+    32 tokens), so that it takes the key-lane score tiles and the chunk value tiles
+    (kernels/page_loops.py)."""
+    return max(QUERY_BLOCK, -(-KEY_LANE_ROWS // group))
 
 @njit(inline="always", **JIT)
 def _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end, chunk_pages, v_pass,
@@ -280,7 +289,7 @@ def _prefill_kernel(kind):
                 scale, window, soft_cap, alibi_slopes, out, lse, prefetch_blocks, num_threads):
         num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // num_kv_heads
-        max_rows = QUERY_BLOCK * group
+        max_rows = query_tokens(group) * group
         chunk_pages = max(1, CHUNK_TOKENS // page_size)
         # float32 pages: the FMA score and value tiles (compute-bound here: 1.4-1.7x faster than
         # Numba's loops, kernels/_score_tiles.py), as in decode. The queries are scaled already.
@@ -363,7 +372,8 @@ def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, it
 
     q, out : float32 [num_tokens, num_q_heads, head_dim]; lse : float32 [num_tokens, num_q_heads].
     Sequence s owns q rows qo_indptr[s]:qo_indptr[s+1], the last of its seq_lens[s] positions.
-    items : int32 [num_items, 4] = (seq, kv_head, row_begin, row_end), at most QUERY_BLOCK rows.
+    items : int32 [num_items, 4] = (seq, kv_head, row_begin, row_end), at most
+    query_tokens(group) rows.
     prefetch_blocks : int, the far distance of :func:`decode` (an item's blocks are its head's
     pages); the tiles are not asked again nearer: that made prefill 1-4% slower (compute-bound).
     dot_products : bool, as in :func:`decode`.

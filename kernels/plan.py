@@ -11,7 +11,6 @@ afterwards.
 import numpy as np
 from numba import njit
 
-from pagekv.kernels.attention import QUERY_BLOCK
 
 ITEM_OVERHEAD = 1  # cost of starting a work item (loading q, writing out), in pages
 
@@ -104,8 +103,8 @@ def plan_decode(seq_lens, page_size, window, num_slots, min_chunk):
 
 
 @njit(cache=True, nogil=True)
-def plan_prefill(seq_lens, qo_indptr, page_size, num_kv_heads, window, num_slots):
-    """Cut every sequence's query rows into blocks of QUERY_BLOCK per KV head, balanced by cost.
+def plan_prefill(seq_lens, qo_indptr, page_size, num_kv_heads, window, num_slots, block):
+    """Cut every sequence's query rows into blocks of ``block`` per KV head, balanced by cost.
 
     Returns
     -------
@@ -116,15 +115,15 @@ def plan_prefill(seq_lens, qo_indptr, page_size, num_kv_heads, window, num_slots
     num_seqs = seq_lens.shape[0]
     count = 0
     for s in range(num_seqs):
-        count += (qo_indptr[s + 1] - qo_indptr[s] + QUERY_BLOCK - 1) // QUERY_BLOCK * num_kv_heads
+        count += (qo_indptr[s + 1] - qo_indptr[s] + block - 1) // block * num_kv_heads
     items = np.empty((count, 4), np.int32)
     cost = np.empty(count, np.int64)
     n = 0
     for s in range(num_seqs):
         first_pos = seq_lens[s] - (qo_indptr[s + 1] - qo_indptr[s])
         for h in range(num_kv_heads):
-            for row in range(qo_indptr[s], qo_indptr[s + 1], QUERY_BLOCK):
-                row_end = min(row + QUERY_BLOCK, qo_indptr[s + 1])
+            for row in range(qo_indptr[s], qo_indptr[s + 1], block):
+                row_end = min(row + block, qo_indptr[s + 1])
                 low = first_pos + row - qo_indptr[s]
                 high = first_pos + row_end - 1 - qo_indptr[s]
                 page_begin = max(low - window + 1, 0) // page_size if window > 0 else 0

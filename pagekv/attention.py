@@ -458,13 +458,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     if np.any(q_lens > lens):
         s = int(np.argmax(q_lens > lens))
         raise ValueError(f"expected seq_lens[{s}] >= its {q_lens[s]} query tokens, got {lens[s]}")
+    kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
+    amx = _amx_attention.applies(k, kv_format, dot_products)  # CPUs with AMX: kernels/_amx.py
+    block = _attention.QUERY_BLOCK if amx else _attention.query_tokens(num_q_heads // num_kv_heads)
     items, slot_indptr = _plan.plan_prefill(lens, indptr, page_size, num_kv_heads, window,
-                                            numba.get_num_threads() * _slots.SLOTS_PER_THREAD)
+                                            numba.get_num_threads() * _slots.SLOTS_PER_THREAD, block)
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_tokens, num_q_heads), np.float32)
     _threads.start()
-    kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
-    if _amx_attention.applies(k, kv_format, dot_products):  # CPUs with AMX: kernels/_amx.py
+    if amx:
         _warm.announce_compile(_amx_attention.prefill, "bfloat16 AMX", "prefill")
         _amx_attention.prefill(q32, k, v, table, lens, indptr, items, slot_indptr, scale, window, cap,
                                slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0])

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from kv_builders import (FAST_BF16_TOLERANCE, TOLERANCE, PagedKV, bf16_products, relative_error,
                          slots_per_thread, takes_fast_bf16, to_storage, widen)
 from pagekv import attention
+from pagekv.kernels import attention as kernel_attention
 from pagekv.kernels import slots
+from pagekv.kernels.page_loops import KEY_LANE_ROWS
 from pagekv.reference import attention as reference
 
 HEAD_DIMS = [64, 72, 80, 96, 128, 256]  # 72: not a multiple of 16, so Numba's loops, not tiles
@@ -206,15 +208,15 @@ def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_page
 @pytest.mark.parametrize("kind, products", [("bfloat16", True), ("float32", False),
                                             ("float16", False), ("bfloat16", False)])
 @pytest.mark.parametrize("page_size, head_dim, group", [(16, 128, 2), (18, 80, 4), (48, 256, 3),
-                                                      (64, 112, 8)])
+                                                      (64, 112, 8), (32, 64, 1)])
 def test_prefill_many_row_tiles_match_reference(page_size, head_dim, group, kind, products):
     """Prefill with 32 or more query rows per item scores each whole 16 of a page's keys by the
     key-lane tiles (kernels/_key_lanes.py; AVX-512 only, elsewhere other tiles pass it), of every
     kind: vdpbf16ps, and the FMA tiles of each storage; with vdpbf16ps each 8 rows take a chunk's
     value blocks in one tile (EIGHT_ROWS_CHUNK). Page sizes that are and are not multiples of 16
     (18: 16 keys by them, 2 by the others), pages ending mid-way, items of 32-128 rows, some in
-    tiles of 16 rows and a rest (13 tokens x group 3, 4 or 8), and items under 32 rows, with the
-    masking options."""
+    tiles of 16 rows and a rest (13 tokens x group 3, 4 or 8), MHA's items of 32 tokens, and
+    items under 32 rows, with the masking options."""
     rng = np.random.default_rng(page_size)
     kv = PagedKV(rng, [40, 97, 300], num_kv_heads=2, head_dim=head_dim, page_size=page_size, kind=kind)
     qo_indptr = np.array([0, 16, 61, 191], np.int32)  # 45 tokens: 16, 16, then 13 x group rows
@@ -231,6 +233,17 @@ def test_prefill_many_row_tiles_match_reference(page_size, head_dim, group, kind
                                                    qo_indptr, **options)
         check(out, expected, "bfloat16", problem)
         np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", range(1, 17))
+def test_prefill_items_hold_the_rows_the_many_row_tiles_take(group):
+    """A prefill item of a small GQA group takes more query tokens (MHA: 32), so that it has the
+    KEY_LANE_ROWS rows from which the key-lane and chunk value tiles serve it; larger groups keep
+    QUERY_BLOCK tokens."""
+    tokens = kernel_attention.query_tokens(group)
+    assert tokens >= kernel_attention.QUERY_BLOCK
+    assert tokens * group >= KEY_LANE_ROWS
+    assert tokens == kernel_attention.QUERY_BLOCK or (tokens - 1) * group < KEY_LANE_ROWS
 
 
 def test_prefill_of_whole_prompt_equals_decode_of_last_token():
