@@ -15,8 +15,9 @@ vdpbf16ps loop runs at 3.1-3.4 G instructions per second against a peak of ~3.5,
 4-row tiles of 8 keys ran at 2.3-2.6.
 
 The transpose costs 64 shuffles per 16 vectors, whatever the number of rows, so it pays where
-many query rows share the keys — chunked prefill's 16 query tokens times the GQA group
-(page_loops.py, KEY_LANE_ROWS) — and not in decode (4 rows at S1: a shuffle per vdpbf16ps).
+many query rows share the keys — chunked prefill's 16 query tokens (32 for MHA) times the GQA
+group (page_loops.py, KEY_LANE_ROWS) — and not in decode (4 rows at S1: a shuffle per
+vdpbf16ps).
 The FMA tiles' lane sums cost them less (a tree per 16 dims, not 32), and so do the key lanes'
 gains: from L1, float32, key-lane / 4 x 4 tile time 0.69-0.97 at 64-128 rows, 0.78-1.02 at 32.
 """

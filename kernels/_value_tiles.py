@@ -369,9 +369,9 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
 VALUE_TILES = {storage: _make_pv_tile(storage=storage)
                for storage in (PAIRED, "float32", "float16", "bfloat16")}
 # Prefill's vdpbf16ps value tile of 8 accumulator rows (AVX-512: 16 accumulators) over all of a
-# chunk's pages in one call, for the query rows of a prefill item (16 tokens x a GQA group).
-# 8 rows, not two tiles of 4: each token pair's value rows are loaded and interleaved once for 8
-# rows instead of twice. AMD EPYC Zen 4, processes alternating, bfloat16 chunked prefill over the
+# chunk's pages in one call, for the query rows of a prefill item (16 tokens x a GQA group, 32
+# for MHA). 8 rows, not two tiles of 4: each token pair's value rows are loaded and interleaved
+# once for 8 rows instead of twice. AMD EPYC Zen 4, processes alternating, bfloat16 chunked prefill over the
 # 8-key score tiles alone: S1 0.951-0.961x the time, S3 0.965, G2 0.955, G3 0.954 (a first run
 # 1.08, within its spread), G8 0.950. A chunk, not a page: the accumulators' columns stay in
 # registers across the chunk instead of being loaded and stored per page. From L1 the 8-row tile
