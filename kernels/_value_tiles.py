@@ -164,6 +164,29 @@ def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
             with long_rows:
                 over_head_dim(builder, dims, values)
 
+    if blocks:
+        @intrinsic
+        def chunk_tile(typingctx, rows, acc_base, acc_stride, blocks_base, aheads_base, num_blocks,
+                       block_tokens, last_tokens, v_stride, p_base, p_stride, head_dim):
+            signature = types.void(rows, acc_base, acc_stride, blocks_base, aheads_base, num_blocks,
+                                   block_tokens, last_tokens, v_stride, p_base, p_stride, head_dim)
+
+            def codegen(context, builder, sig, args):
+                as_i64 = [context.cast(builder, value, ty, types.int64)
+                          for value, ty in zip(args, sig.args)]
+                emit(builder, chunk_rows, *as_i64[1:])
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        chunk_tile.__doc__ = (
+            f"acc[r] += p[r] @ v for {chunk_rows} rows over a chunk's num_blocks value blocks (their "
+            "addresses an int64 array at blocks_base, block_tokens rows each, the last "
+            "last_tokens), the accumulators' columns in registers across all of them; "
+            "probabilities packed as bfloat16 pairs, the chunk's in order; each block's share of "
+            "the block at aheads_base's entry is prefetched (aheads_base 0: none).")
+        return chunk_tile
+
     @intrinsic
     def tile(typingctx, rows, acc_base, acc_stride, v_base, v_stride, p_base, p_stride, num_tokens,
              head_dim, pf_base, again_base):
@@ -176,27 +199,6 @@ def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
 
         return signature, codegen
 
-    @intrinsic
-    def chunk_tile(typingctx, rows, acc_base, acc_stride, blocks_base, aheads_base, num_blocks,
-                   block_tokens, last_tokens, v_stride, p_base, p_stride, head_dim):
-        signature = types.void(rows, acc_base, acc_stride, blocks_base, aheads_base, num_blocks,
-                               block_tokens, last_tokens, v_stride, p_base, p_stride, head_dim)
-
-        def codegen(context, builder, sig, args):
-            as_i64 = [context.cast(builder, value, ty, types.int64) for value, ty in zip(args, sig.args)]
-            emit(builder, chunk_rows, *as_i64[1:])
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    if blocks:
-        chunk_tile.__doc__ = (
-            f"acc[r] += p[r] @ v for {chunk_rows} rows over a chunk's num_blocks value blocks (their "
-            "addresses an int64 array at blocks_base, block_tokens rows each, the last "
-            "last_tokens), the accumulators' columns in registers across all of them; "
-            "probabilities packed as bfloat16 pairs, the chunk's in order; each block's share of "
-            "the block at aheads_base's entry is prefetched (aheads_base 0: none).")
-        return chunk_tile
     tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
                     + (f"{storage} value rows (head_dim a multiple of 16) and float32 probabilities, "
                        "one per token." if storage != PAIRED else
