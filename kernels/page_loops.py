@@ -261,6 +261,21 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
                 t = num_tokens
             r += rows
 
+    @njit(inline="always", **JIT)  # in page_accumulate, and per block in chunk_accumulate
+    def block_accumulate(probs, r, end, col, block, v_row, num_tokens, head_dim, acc, ahead, again):
+        """acc[r:end] += probs[r:end] (from column col) times the num_tokens value rows of the
+        block at address ``block`` (v_row bytes apart), by register tiles of 4 rows (3, 2 or 1 for
+        the rest); the first tile prefetches the blocks at ``ahead`` and ``again`` (0: none)."""
+        a_row, p_row = acc.strides[0], probs.strides[0]
+        first_prob = (col // 2) * 4 if pairs else col * 4
+        pf, pf_again = ahead, again
+        while r < end:
+            rows = min(MAX_ROWS, end - r)
+            a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
+            values(rows, a, a_row, block, v_row, p, p_row, num_tokens, head_dim, pf, pf_again)
+            pf, pf_again = 0, 0
+            r += rows
+
     @jit
     def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
         """:func:`plain_page_accumulate` by register tiles of 4 accumulator rows (3, 2 or 1 for
@@ -273,17 +288,8 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
         array). The first row tile prefetches the blocks at addresses ``ahead`` and ``again``
         (0: none).
         """
-        head_dim = vc.shape[3]
-        block = block_address(vc, vp, vh)
-        a_row, p_row = acc.strides[0], probs.strides[0]
-        first_prob = (col // 2) * 4 if pairs else col * 4
-        r = r0
-        while r < r0 + num_rows:
-            rows = min(MAX_ROWS, r0 + num_rows - r)
-            pf, pf_again = (ahead, again) if r == r0 else (0, 0)
-            a, p = acc.ctypes.data + r * a_row, probs.ctypes.data + r * p_row + first_prob
-            values(rows, a, a_row, block, vc.strides[2], p, p_row, num_tokens, head_dim, pf, pf_again)
-            r += rows
+        block_accumulate(probs, r0, r0 + num_rows, col, block_address(vc, vp, vh),
+                         vc.strides[2], num_tokens, vc.shape[3], acc, ahead, again)
 
     @jit
     def chunk_accumulate(probs, r0, num_rows, vc, blocks, aheads, num_blocks, last_tokens, acc):
@@ -302,17 +308,10 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
                                  aheads.ctypes.data if r == r0 else 0, num_blocks, page_size,
                                  last_tokens, v_row, probs.ctypes.data + r * p_row, p_row, head_dim)
                 r += 8
-        for b in range(num_blocks):
-            num_tokens = last_tokens if b == num_blocks - 1 else page_size
-            col = b * page_size
-            first_prob = (col // 2) * 4 if pairs else col * 4
-            rest = r
-            while rest < r0 + num_rows:
-                rows = min(MAX_ROWS, r0 + num_rows - rest)
-                pf = aheads[b] if rest == r0 else 0
-                values(rows, acc.ctypes.data + rest * a_row, a_row, blocks[b], v_row,
-                       probs.ctypes.data + rest * p_row + first_prob, p_row, num_tokens, head_dim, pf, 0)
-                rest += rows
+        for b in range(num_blocks):  # the rows left, block by block
+            block_accumulate(probs, r, r0 + num_rows, b * page_size, blocks[b], v_row,
+                             last_tokens if b == num_blocks - 1 else page_size, head_dim, acc,
+                             aheads[b] if r == r0 else 0, 0)
 
     return page_scores, page_accumulate, chunk_accumulate
 
