@@ -1,0 +1,87 @@
+"""The online softmax's fold of one chunk (kernels/online_softmax.py) against a float64 NumPy twin:
+probabilities, running max, sum and accumulators, with causal and sliding-window masks that
+leave a row all, some or none of a chunk's keys, soft caps and ALiBi slopes."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagekv.kernels.online_softmax import softmax_update
+
+
+def _fold_reference(scores, key0, qpos, masked, window, soft_cap, slopes, m, l, acc):
+    """softmax_update in float64: masked keys set to -inf, then each row folded as a whole.
+    Returns (probabilities, m, l, acc)."""
+    s = scores.astype(np.float64)
+    m, l, acc = m.astype(np.float64), l.astype(np.float64), acc.astype(np.float64)
+    keys = key0 + np.arange(s.shape[1])
+    if soft_cap > 0:
+        s = soft_cap * np.tanh(s / soft_cap)
+    if slopes.shape[0]:
+        s = s + slopes[:, None].astype(np.float64) * (keys[None, :] - qpos[:, None])
+    if masked:
+        hidden = keys[None, :] > qpos[:, None]
+        if window > 0:
+            hidden |= keys[None, :] <= qpos[:, None] - window
+        s = np.where(hidden, -np.inf, s)
+    p = np.zeros_like(s)
+    for r in range(s.shape[0]):
+        top = s[r].max()
+        if top == -np.inf:  # nothing to fold: the running state stays as it was
+            continue
+        new_max = max(m[r], top)
+        alpha = np.exp(m[r] - new_max)
+        p[r] = np.exp(s[r] - new_max)
+        l[r] = l[r] * alpha + p[r].sum()
+        m[r] = new_max
+        acc[r] *= alpha
+    return p, m, l, acc
+
+
+@st.composite
+def _chunks(draw):
+    rows = draw(st.integers(1, 9))
+    cols = draw(st.sampled_from([1, 2, 15, 16, 17, 33, 64, 65]))
+    key0 = draw(st.integers(0, 80))
+    # Query positions from before the chunk (every key masked) to past its end (none masked).
+    qpos = np.array(draw(st.lists(st.integers(max(0, key0 - 3), key0 + cols + 3), min_size=rows,
+                                  max_size=rows)), np.int64)
+    window = draw(st.sampled_from([0, 1, 2, 7, 40, 1000]))
+    first = draw(st.booleans())  # the first chunk: running max -inf, sum 0
+    return rows, cols, key0, qpos, window, first
+
+
+@settings(max_examples=150, deadline=None)
+@given(chunk=_chunks(), masked=st.booleans(), soft_cap=st.sampled_from([0.0, 5.0]),
+       alibi=st.booleans(), seed=st.integers(0, 2**16))
+def test_fold_matches_float64(chunk, masked, soft_cap, alibi, seed):
+    rows, cols, key0, qpos, window, first = chunk
+    if not masked:  # the kernels fold unmasked only chunks that every row sees whole
+        qpos = np.maximum(qpos, key0 + cols - 1)
+        window = 0
+    rng = np.random.default_rng(seed)
+    head_dim = 16
+    scores = (3 * rng.standard_normal((rows, cols))).astype(np.float32)
+    slopes = rng.uniform(0.01, 0.5, rows).astype(np.float32) if alibi else np.empty(0, np.float32)
+    if first:
+        m, l = np.full(rows, -np.inf, np.float32), np.zeros(rows, np.float32)
+    else:
+        m, l = (3 * rng.standard_normal(rows)).astype(np.float32), rng.uniform(0.5, 9, rows).astype(np.float32)
+    acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
+    expected = _fold_reference(scores, key0, qpos, masked, window, soft_cap, slopes, m, l, acc)
+
+    softmax_update(scores, 0, rows, cols, key0, qpos, masked, window, soft_cap, slopes, m, l, acc)
+
+    for got, want in zip((scores, m, l, acc), expected):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_fold_leaves_columns_past_the_chunk_alone():
+    """Only the chunk's num_cols columns are touched (the scratch is wider than a short chunk)."""
+    scores = np.full((2, 8), 7.0, np.float32)
+    m, l, acc = np.full(2, -np.inf, np.float32), np.zeros(2, np.float32), np.ones((2, 4), np.float32)
+    qpos = np.array([1, 10], np.int64)
+    softmax_update(scores, 0, 2, 5, 0, qpos, True, 0, 0.0, np.empty(0, np.float32), m, l, acc)
+    np.testing.assert_array_equal(scores[:, 5:], 7.0)
+    np.testing.assert_allclose(scores[0, :5], [1, 1, 0, 0, 0])  # row 0 sees keys 0 and 1
+    np.testing.assert_allclose(l, [2, 5])
