@@ -106,11 +106,20 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
         dot = multiply_add if fma else dot_pairs
         key_bytes = 4 if storage == "float32" else 2
 
+        # The FMA tiles prefetch by shares only with AVX2's register budget, where the shares
+        # were measured (below); with AVX-512's each key row asks for its own line, as the Intel
+        # Xeon was measured with: there the shares read float32 decode from memory 3-8% slower
+        # (AMD Zen 4, processes alternating, row lines ÷ shares time: S1 0.95-0.96, S2 0.92-0.97,
+        # S3 0.96-1.00, G3 0.97, G8 0.98; float16 0.98-0.99; prefill 0.96-1.02; from L2
+        # 1.05-1.09, but decode reads memory). The vdpbf16ps tiles keep the shares (row lines:
+        # 1.03-1.05x the time).
+        by_shares = not fma or tile_ir.ACCUMULATORS < 16
+
         def share_is_whole_lines(chunk_bytes):
-            """Whether a step's chunks of the pass's rows make whole lines: then the step
-            prefetches its share of them (:func:`prefetch_share`), else each row its own line
-            (:func:`key_row`) - one or the other, never both."""
-            return (tokens * chunk_bytes) % CACHE_LINE == 0
+            """Whether a step prefetches its share of the pass's rows (:func:`prefetch_share`):
+            where the tiles prefetch by shares and a step's chunks of the rows make whole
+            lines; else each row its own line (:func:`key_row`) - one or the other, never both."""
+            return by_shares and (tokens * chunk_bytes) % CACHE_LINE == 0
 
         def key_row(t, key_offset, chunk_bytes):
             """The address of key row t's chunk at key_offset; when a step reads less than whole
