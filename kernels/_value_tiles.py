@@ -373,11 +373,11 @@ VALUE_TILES = {storage: _make_pv_tile(storage=storage)
 # Prefill's vdpbf16ps value tile of 8 accumulator rows (AVX-512: 16 accumulators) over all of a
 # chunk's pages in one call, for the query rows of a prefill item (16 tokens x a GQA group, 32
 # for MHA). 8 rows, not two tiles of 4: each token pair's value rows are loaded and interleaved
-# once for 8 rows instead of twice. AMD EPYC Zen 4, processes alternating, bfloat16 chunked prefill over the
-# 8-key score tiles alone: S1 0.951-0.961x the time, S3 0.965, G2 0.955, G3 0.954 (a first run
-# 1.08, within its spread), G8 0.950. A chunk, not a page: the accumulators' columns stay in
-# registers across the chunk instead of being loaded and stored per page. From L1 the 8-row tile
-# over one 16-token block ran at 2.8 G vdpbf16ps per second, over one of 64 tokens at 3.4 (Zen 4,
-# head_dim 64-128); bfloat16 chunked prefill, processes alternating, against a tile per page:
-# S1 0.905x the time, S3 0.896, G3 0.887, G8 0.931.
+# once for 8 rows instead of twice. AMD EPYC Zen 4, processes alternating, bfloat16 chunked
+# prefill over the 8-key score tiles alone: S1 0.951-0.961x the time, S3 0.965, G2 0.955, G3
+# 0.954 (a first run 1.08, within its spread), G8 0.950. A chunk, not a page: the accumulators'
+# columns stay in registers across the chunk instead of being loaded and stored per page. From
+# L1 the 8-row tile over one 16-token block ran at 2.8 G vdpbf16ps per second, over one of 64
+# tokens at 3.4 (Zen 4, head_dim 64-128); bfloat16 chunked prefill, processes alternating,
+# against a tile per page: S1 0.905x the time, S3 0.896, G3 0.887, G8 0.931.
 EIGHT_ROWS_CHUNK = _make_pv_tile(chunk_rows=8)

@@ -51,8 +51,8 @@ from pagekv.kernels._tile_rows import pack_pairs
 from pagekv.kernels.online_softmax import (dot_scratch, finish_row, softmax_update, start_decode_item,
                                            start_prefill_item, thread_scratch)
 from pagekv.kernels.page_loops import (DECODE_SCORES, DECODE_VALUES, KEY_LANE_ROWS, KINDS,
-                                       PREFILL_CHUNK_VALUES, PREFILL_SCORES, kernel_kind, plain_page_accumulate,
-                                       plain_page_scores, takes_fma_tiles)
+                                       PREFILL_CHUNK_VALUES, PREFILL_SCORES, kernel_kind,
+                                       plain_page_accumulate, plain_page_scores, takes_fma_tiles)
 from pagekv.kernels.prefetch import block_address
 
 QUERY_BLOCK = 16  # prefill query tokens per work item: the AMX kernel's, and the least of query_tokens
@@ -63,7 +63,6 @@ QUERY_BLOCK = 16  # prefill query tokens per work item: the AMX kernel's, and th
 CHUNK_TOKENS = 256
 
 
-
 @njit(inline="always", **JIT)
 def query_tokens(group):
     """Query tokens per prefill work item of :func:`prefill` for a GQA group of ``group`` query
@@ -71,6 +70,7 @@ def query_tokens(group):
     32 tokens), so that it takes the key-lane score tiles and the chunk value tiles
     (kernels/page_loops.py)."""
     return max(QUERY_BLOCK, -(-KEY_LANE_ROWS // group))
+
 
 @njit(inline="always", **JIT)
 def _block_ahead(block_table, seq, p, h, num_heads, first, last, page_end, chunk_pages, v_pass,

@@ -66,7 +66,8 @@ def test_fold_matches_float64(chunk, masked, soft_cap, alibi, seed):
     if first:
         m, l = np.full(rows, -np.inf, np.float32), np.zeros(rows, np.float32)
     else:
-        m, l = (3 * rng.standard_normal(rows)).astype(np.float32), rng.uniform(0.5, 9, rows).astype(np.float32)
+        m = (3 * rng.standard_normal(rows)).astype(np.float32)
+        l = rng.uniform(0.5, 9, rows).astype(np.float32)
     acc = rng.standard_normal((rows, head_dim)).astype(np.float32)
     expected = _fold_reference(scores, key0, qpos, masked, window, soft_cap, slopes, m, l, acc)
 
