@@ -276,6 +276,22 @@ def _timed(fn):
 
 
 # ------------------------------------------------------------------------------------- info
+def _bf16_path(features):
+    """How this process multiplies bfloat16 pages, in words (the kernels choose per call)."""
+    from pagekv.attention import BF16_PRODUCTS
+    from pagekv.kernels import _amx, amx_attention
+
+    if _amx.AVAILABLE:
+        low, high = amx_attention.DECODE_GROUPS
+        return (f"AMX tiles for prefill, and for decode with GQA groups of {low}-{high} query heads "
+                f"per KV head ({amx_attention.WIDE_MIN_GROUP}-{high} above head_dim "
+                f"{amx_attention.WIDE_HEAD_DIM}); vdpbf16ps otherwise (PAGEKV_AMX=0 turns AMX off)")
+    off = " (AMX off: PAGEKV_AMX=0)" if features.get("amx-bf16") else ""
+    if BF16_PRODUCTS:
+        return f"vdpbf16ps (AVX512-BF16) products, float32 sums{off}"
+    return "rows widened to float32 as they load (no AVX512-BF16)"
+
+
 def info(args, model_of=None):
     import importlib.metadata
     import os
@@ -304,6 +320,7 @@ def info(args, model_of=None):
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bf16", "neon", "sve"]
     print(f"cpu        {llvm.get_host_cpu_name()}: "
           + " ".join(f for f in wanted if features.get(f, False)))
+    print(f"bfloat16   {_bf16_path(features)}")
     cache_dir = _cache_dir.kernels_cache(pathlib.Path(pagekv.kernels.__file__).parent)
     cached = sorted(p.stem.split(".")[0] for p in cache_dir.glob("*.nbi")) if cache_dir.exists() else []
     print(f"cache      {cache_dir}")

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import llvmlite.binding as llvm  # type: ignore[import-untyped]
 import numpy as np
 import pytest
 
@@ -136,6 +137,27 @@ def test_info_and_bench(capsys, monkeypatch):
     # K and V in one array read each page twice from cache and counted it twice: 139% of the roof
     s1 = [(k, v) for k, v in caches if k.shape[0] == 16 * 128]  # not warmup()'s tiny caches
     assert len(s1) >= 2 and not any(np.shares_memory(k, v) for k, v in s1)
+
+
+@pytest.mark.parametrize("amx, products, amx_flag, expected", [
+    (True, True, True, "AMX tiles for prefill, and for decode with GQA groups of 2-16 query heads per KV "
+                       "head (4-16 above head_dim 128); vdpbf16ps otherwise (PAGEKV_AMX=0 turns AMX off)"),
+    (False, True, True, "vdpbf16ps (AVX512-BF16) products, float32 sums (AMX off: PAGEKV_AMX=0)"),
+    (False, True, False, "vdpbf16ps (AVX512-BF16) products, float32 sums"),
+    (False, False, False, "rows widened to float32 as they load (no AVX512-BF16)"),
+])
+def test_info_names_the_bfloat16_path(capsys, monkeypatch, amx, products, amx_flag, expected):
+    """Which of the three bfloat16 paths this process takes, whatever the CPU running the test."""
+    from pagekv import attention
+    from pagekv.kernels import _amx
+    monkeypatch.setattr(_amx, "AVAILABLE", amx)
+    monkeypatch.setattr(attention, "BF16_PRODUCTS", products)
+    features = llvm.get_host_cpu_features()
+    features["amx-bf16"] = amx_flag
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: features)
+    assert main(["info"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("bfloat16"))
+    assert line == f"bfloat16   {expected}"
 
 
 def test_info_finds_the_kernels_under_numba_cache_dir(tmp_path):
