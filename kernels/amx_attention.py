@@ -1,17 +1,19 @@
 """Paged prefill and decode attention over bfloat16 pages by Intel AMX tiles (kernels/_amx.py).
 
-:func:`prefill` does the work of :func:`pagekv.kernels.attention.prefill` — the same work items
-(one KV head of one sequence for a block of 16 query tokens, a GQA group's heads together), causal
-and window masks, chunked online softmax and prefetches — with the products by AMX tiles. The
-item's query rows are taken in groups of 16 (the last group padded with zero rows); per 16 keys of
-a page:
+:func:`prefill` does the work of :func:`pagekv.kernels.attention.prefill` — work items of one KV
+head of one sequence and a GQA group's heads together, causal and window masks, chunked online
+softmax and prefetches — with the products by AMX tiles. An item holds several blocks of 16 query
+tokens (:func:`item_tokens`); per chunk of keys it lays them out once for all its blocks:
 
-- scores: the keys are turned into B's layout (pairs of dims; :func:`_amx.transpose_words`), then one
-  tile product per 32 dims and row group gives 16 x 16 scores (:func:`_amx.score_tiles`);
-- values: the probabilities two tokens to a word (:func:`_pack_probs`) times the chunk's value
-  rows interleaved in pairs of tokens once per chunk (:func:`_interleave_values`): one tile
-  product per 16 rows, 32 tokens and 16 dims; per row group and 64 dims the sums stay in tiles
-  across the chunk (:func:`_amx.load_sums`, :func:`_amx.accumulate_pairs`, :func:`_amx.store_sums`).
+- the keys in B's layout (pairs of dims; :func:`_amx.transpose_words`), 16 keys at a time;
+- the value rows interleaved in pairs of tokens (:func:`_interleave_values`);
+
+then each block, from its own causal and window range, takes the chunk: its query rows in groups
+of 16 (the last group padded with zero rows), one tile product per 32 dims and row group gives 16
+x 16 scores (:func:`_amx.score_tiles`); the softmax; the probabilities two tokens to a word
+(:func:`_pack_probs`) times the interleaved values, one tile product per 16 rows, 32 tokens and
+16 dims, the sums of a row group and 64 dims staying in tiles across the chunk
+(:func:`_amx.load_sums`, :func:`_amx.accumulate_pairs`, :func:`_amx.store_sums`).
 
 :func:`decode` does the work of :func:`pagekv.kernels.attention.decode` (the same planned items:
 a sequence's run of pages, all KV heads) with tiles shaped to the GQA group (see its docstring).
@@ -48,6 +50,25 @@ def applies(k_cache, kv_format, dot_products):
                 and head_dim % CHUNK == 0 and page_size % ROWS == 0)
 
 
+# Most query rows (tokens x GQA group) per prefill work item. An item lays each chunk's keys and
+# values out for the tiles once for all its blocks of QUERY_BLOCK tokens, which items of one block
+# redid for every block. Intel Xeon, 2026-12-04, against items of one block (time ratios, process
+# pairs alternating calls, 15 rounds; the same code against itself 1.01-1.07): 256 rows S1 0.74,
+# S3 0.85, G3 0.90, G7 0.95; S1 at 32 / 64 / 128 tokens 0.87-1.01 / 0.75-0.77 / 0.97-0.99 (the
+# item's rows outgrow L2's share), S3 at 64 / 128 0.86-0.88 / 0.82-0.86.
+ITEM_ROWS = 256
+ITEMS_PER_SLOT = 2  # smaller items where a call has fewer query rows, so every slot gets work
+
+
+def item_tokens(num_tokens, group, num_kv_heads, num_slots):
+    """Query tokens per work item of :func:`prefill` for a call of ``num_tokens`` query tokens: a
+    multiple of QUERY_BLOCK up to ITEM_ROWS rows (tokens x group), leaving ITEMS_PER_SLOT items
+    per slot where the call has that many blocks."""
+    most = max(QUERY_BLOCK, ITEM_ROWS // group // QUERY_BLOCK * QUERY_BLOCK)
+    fair = num_tokens * num_kv_heads // (ITEMS_PER_SLOT * num_slots)
+    return max(QUERY_BLOCK, min(most, fair // QUERY_BLOCK * QUERY_BLOCK))
+
+
 # Decode takes AMX for GQA groups of 2-16 query rows (16: one tile's rows) at head_dim up to 128,
 # of 4-16 above it (256). Measured against the vdpbf16ps kernel on the Intel Xeon VM (time ratios,
 # alternating rounds in one process; "memory" with the 300 MiB L3 evicted before each round, "L2"
@@ -73,10 +94,10 @@ def applies_to_decode(k_cache, kv_format, dot_products, group):
 
 
 @njit(**JIT)
-def _scale(scores, num_rows, num_cols, scale):
-    """scores[:num_rows, :num_cols] *= scale: the tiles multiply unscaled bfloat16 queries, so a
-    bfloat16 query stays exact (as in the ``vdpbf16ps`` tiles, which scale their sums)."""
-    for r in range(num_rows):
+def _scale(scores, r0, num_rows, num_cols, scale):
+    """scores[r0:r0 + num_rows, :num_cols] *= scale: the tiles multiply unscaled bfloat16 queries,
+    so a bfloat16 query stays exact (as in the ``vdpbf16ps`` tiles, which scale their sums)."""
+    for r in range(r0, r0 + num_rows):
         for t in range(num_cols):
             scores[r, t] *= scale
 
@@ -89,16 +110,16 @@ def _pair_rows(tokens):
 
 
 @njit(**JIT)
-def _pack_probs(scores, num_rows, num_cols, packed):
-    """Prefill's probabilities as the A tiles of :func:`_amx.accumulate_pairs`: bfloat16 two tokens
-    to a word (:func:`pack_pairs`), 0 for the columns past num_cols up to the next multiple of
-    32.
+def _pack_probs(scores, r0, num_rows, num_cols, packed):
+    """Prefill's probabilities of rows r0 .. r0 + num_rows - 1 as the A tiles of
+    :func:`_amx.accumulate_pairs`: bfloat16 two tokens to a word (:func:`pack_pairs`), 0 for the
+    columns past num_cols up to the next multiple of 32.
 
     scores : float32 [rows, cols]; packed : uint32 [rows, pairs], pairs a multiple of 16.
     """
-    pack_pairs(scores, 0, num_rows, num_cols, packed)
+    pack_pairs(scores, r0, num_rows, num_cols, packed)
     padded = min(_pair_rows(num_cols), packed.shape[1])
-    for r in range(num_rows):
+    for r in range(r0, r0 + num_rows):
         for j in range((num_cols + 1) // 2, padded):
             packed[r, j] = 0
 
@@ -218,21 +239,33 @@ def _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step):
 def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_indptr, scale, window,
             soft_cap, alibi_slopes, out, lse, prefetch_blocks):
     """:func:`pagekv.kernels.attention.prefill` for bfloat16 pages by AMX tiles (same arguments,
-    without kv_format and dot_products); see :func:`applies` for the shapes it takes."""
+    without kv_format and dot_products); see :func:`applies` for the shapes it takes.
+
+    An item (:func:`item_tokens` query tokens) lays each chunk of keys and values out for the
+    tiles once, then runs its rows block by block (:data:`QUERY_BLOCK` tokens, the GQA group's
+    heads together) over them, each block from its own causal and window range.
+    """
     num_kv_heads, page_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     chunks = head_dim // CHUNK
-    padded_rows = -(-QUERY_BLOCK * group // ROWS) * ROWS
+    most_tokens = 0
+    for item in range(items.shape[0]):
+        most_tokens = max(most_tokens, items[item, 3] - items[item, 2])
+    padded_rows = -(-most_tokens * group // ROWS) * ROWS
+    block_rows = QUERY_BLOCK * group  # a multiple of ROWS: blocks start on a tile's first row
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
     cols = chunk_pages * page_size
     row_bytes = k_cache.strides[2]
     for slot in prange(slot_indptr.shape[0] - 1):
-        qs, acc, m, l, qpos, scores = thread_scratch(padded_rows, cols, head_dim)
+        # The item's rows; scores and probabilities one block's (blocks take turns per chunk: at
+        # the item's size they took S1 1.3x the time)
+        qs, acc, m, l, qpos, _ = thread_scratch(padded_rows, 0, head_dim)
+        scores = np.empty((block_rows, cols), np.float32)
         q_bits = np.zeros((padded_rows, head_dim), np.uint16)
         pairs = _pair_rows(cols)
-        packed = np.zeros((padded_rows, pairs), np.uint32)
+        packed = np.zeros((block_rows, pairs), np.uint32)
         v_pairs = np.empty((pairs, head_dim), np.uint32)
-        keys_t = np.empty((chunks, ROWS, ROWS), np.uint32)
+        keys_t = np.empty((cols // ROWS, chunks, ROWS, ROWS), np.uint32)  # a chunk's keys, 16 at a time
         slopes = np.empty(padded_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
         q_step, s_step = q_bits.strides[0], scores.strides[0]
         p_step, a_step, v_step = packed.strides[0], acc.strides[0], v_pairs.strides[0]
@@ -244,9 +277,8 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
             num_rows, low, high, page_begin, page_end = start_prefill_item(
                 q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window, scale,
                 True, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes)
-            groups = -(-num_rows // ROWS)
-            q_bits[num_rows:groups * ROWS] = 0  # a last group's padding: zero queries, zero probabilities
-            packed[num_rows:groups * ROWS] = 0
+            padded = -(-num_rows // ROWS) * ROWS
+            q_bits[num_rows:padded] = 0  # a last group's padding: zero queries, zero probabilities
             for first in range(page_begin, page_end, chunk_pages):
                 last = min(first + chunk_pages, page_end)
                 key0 = first * page_size
@@ -258,35 +290,46 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                     num_tokens = min(page_size, seq_len - p * page_size)
                     for t0 in range(0, num_tokens, ROWS):
                         keys = block_address(k_cache, block_table[seq, p], head) + t0 * row_bytes
+                        slab = keys_t.ctypes.data + ((p - first) * page_size + t0) // ROWS * chunks * _amx.TILE_BYTES
                         for c in range(chunks):  # the keys in B's layout, 32 dims at a time
                             _amx.transpose_words(keys + c * ROW_BYTES, row_bytes,
-                                                 keys_t.ctypes.data + c * _amx.TILE_BYTES, ROW_BYTES)
-                        col = (p - first) * page_size + t0
-                        for g0 in range(0, groups, _amx.GROUPS):
-                            _amx.score_tiles(q_bits.ctypes.data + g0 * ROWS * q_step, q_step,
-                                             keys_t.ctypes.data, min(_amx.GROUPS, groups - g0), chunks,
-                                             scores.ctypes.data + g0 * ROWS * s_step + col * 4, s_step,
-                                             0, 0)
-                _scale(scores, num_rows, num_cols, scale)
-                masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
-                softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window, soft_cap,
-                               slopes, m, l, acc)
-                _pack_probs(scores, num_rows, num_cols, packed)
+                                                 slab + c * _amx.TILE_BYTES, ROW_BYTES)
                 for p in range(first, last):
                     prefetch_rows(_prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
                                                  page_end, chunk_pages, True, prefetch_blocks),
                                   row_bytes, 0, page_size)
                 _interleave_values(v_cache, block_table, seq, head, first, last, seq_len, v_pairs)
-                for d0 in range(0, head_dim // ROWS, _amx.SUM_TILES):  # 16 dims per sum tile
-                    n = min(_amx.SUM_TILES, head_dim // ROWS - d0)
-                    for g in range(groups):
-                        sums = acc.ctypes.data + g * ROWS * a_step + d0 * ROW_BYTES
-                        _amx.load_sums(sums, ROW_BYTES, a_step, n)
-                        for t0 in range(0, num_cols, PAIR_TOKENS):
-                            _amx.accumulate_pairs(packed.ctypes.data + g * ROWS * p_step + t0 * 2, p_step,
-                                                  v_pairs.ctypes.data + t0 // 2 * v_step + d0 * ROW_BYTES,
-                                                  v_step, n)
-                        _amx.store_sums(sums, ROW_BYTES, a_step, n)
+                for r0 in range(0, num_rows, block_rows):
+                    rows = min(block_rows, num_rows - r0)
+                    block_low, block_high = qpos[r0], qpos[r0 + rows - 1]
+                    # The block's keys in this chunk: none past its last query (causal), none if
+                    # the whole chunk lies before its window; the skipped would all be masked.
+                    block_cols = min(num_cols, block_high + 1 - key0)
+                    if block_cols <= 0 or (window > 0 and key0 + num_cols - 1 <= block_low - window):
+                        continue
+                    groups = -(-rows // ROWS)
+                    packed[rows:groups * ROWS] = 0
+                    for key in range(0, block_cols, ROWS):
+                        for g0 in range(0, groups, _amx.GROUPS):
+                            _amx.score_tiles(q_bits.ctypes.data + (r0 + g0 * ROWS) * q_step, q_step,
+                                             keys_t.ctypes.data + key * chunks * ROW_BYTES,
+                                             min(_amx.GROUPS, groups - g0), chunks,
+                                             scores.ctypes.data + g0 * ROWS * s_step + key * 4, s_step, 0, 0)
+                    _scale(scores, 0, rows, block_cols, scale)
+                    masked = key0 + block_cols - 1 > block_low or (window > 0 and key0 <= block_high - window)
+                    softmax_update(scores, 0, rows, block_cols, key0, qpos[r0:], masked, window, soft_cap,
+                                   slopes[r0:], m[r0:], l[r0:], acc[r0:])
+                    _pack_probs(scores, 0, rows, block_cols, packed)
+                    for d0 in range(0, head_dim // ROWS, _amx.SUM_TILES):  # 16 dims per sum tile
+                        n = min(_amx.SUM_TILES, head_dim // ROWS - d0)
+                        for g in range(groups):
+                            sums = acc.ctypes.data + (r0 + g * ROWS) * a_step + d0 * ROW_BYTES
+                            _amx.load_sums(sums, ROW_BYTES, a_step, n)
+                            for t0 in range(0, block_cols, PAIR_TOKENS):
+                                _amx.accumulate_pairs(packed.ctypes.data + g * ROWS * p_step + t0 * 2,
+                                                      p_step, v_pairs.ctypes.data + t0 // 2 * v_step
+                                                      + d0 * ROW_BYTES, v_step, n)
+                            _amx.store_sums(sums, ROW_BYTES, a_step, n)
             for i in range(row_end - row_begin):
                 for g in range(group):
                     r = i * group + g
@@ -421,7 +464,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                     for r0 in range(0, padded_rows, ROWS):
                         _amx.transpose_words(scores_by_key.ctypes.data + t0 * k_step + r0 * 4, k_step,
                                              scores.ctypes.data + r0 * s_step + t0 * 4, s_step)
-                _scale(scores, num_q_heads, num_cols, scale)
+                _scale(scores, 0, num_q_heads, num_cols, scale)
                 masked = window > 0 and key0 <= seq_len - 1 - window
                 m_before[:] = m[:num_q_heads]
                 softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window, soft_cap,

@@ -460,9 +460,14 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
         raise ValueError(f"expected seq_lens[{s}] >= its {q_lens[s]} query tokens, got {lens[s]}")
     kv_format, dot_products = _arrays.KV_FORMAT[kind], _bf16_products(fast_bf16)
     amx = _amx_attention.applies(k, kv_format, dot_products)  # CPUs with AMX: kernels/_amx.py
-    block = _attention.QUERY_BLOCK if amx else _attention.query_tokens(num_q_heads // num_kv_heads)
-    items, slot_indptr = _plan.plan_prefill(lens, indptr, page_size, num_kv_heads, window,
-                                            numba.get_num_threads() * _slots.SLOTS_PER_THREAD, block)
+    num_slots = numba.get_num_threads() * _slots.SLOTS_PER_THREAD
+    if amx:
+        block = _amx_attention.item_tokens(num_tokens, num_q_heads // num_kv_heads, num_kv_heads,
+                                           num_slots)
+    else:
+        block = _attention.query_tokens(num_q_heads // num_kv_heads)
+    items, slot_indptr = _plan.plan_prefill(lens, indptr, page_size, num_kv_heads, window, num_slots,
+                                            block)
     result, storage, buffer = _output(q, q_kind, q32.shape, out)
     lse = np.empty((num_tokens, num_q_heads), np.float32)
     _threads.start()

@@ -135,8 +135,12 @@ def _vdpbf16ps_prefill(monkeypatch, *args, **options):
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (32, 96), (256, 64), (16, 256)])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "logits_soft_cap": 30.0},
                                      {"alibi_slopes": True, "scale": 0.05}])
+@pytest.mark.parametrize("tokens_per_item", [16, 48, 128])
 def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, group, page_size,
-                                                                head_dim, options):
+                                                                head_dim, options, tokens_per_item):
+    """Items of one block, of three, and of eight (the query lengths end mid-block and mid-item;
+    a block whose keys all lie past its queries or before its window skips that chunk)."""
+    monkeypatch.setattr(amx_attention, "item_tokens", lambda *a: tokens_per_item)
     rng = np.random.default_rng(group * page_size + head_dim)
     seq_lens = [1, 17, 63, 64, 97, 300, 600]  # 600: whole chunks before the first query (unmasked)
     kv = _nan_past_the_end(PagedKV(rng, seq_lens, num_kv_heads=2, head_dim=head_dim,
@@ -162,6 +166,20 @@ def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, gro
                                                qo_indptr, **options)
     assert relative_error(out, expected) <= FAST_BF16_TOLERANCE
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_items_hold_up_to_256_rows_and_leave_every_slot_work():
+    block, most = amx_attention.QUERY_BLOCK, amx_attention.ITEM_ROWS
+    assert amx_attention.item_tokens(16 * 128, 4, 8, 8) == 64    # S1's chunked prefill: 256 items
+    assert amx_attention.item_tokens(64 * 128, 1, 16, 8) == 256  # S3's (MHA)
+    assert amx_attention.item_tokens(16 * 128, 7, 4, 8) == 32    # 7 heads a group: 224 rows
+    assert amx_attention.item_tokens(1, 4, 1, 8) == block        # one token: one block
+    assert amx_attention.item_tokens(324, 4, 2, 8) == 32         # 648 token-heads: 20 items for 8 slots
+    for tokens, group, heads, slots in [(1, 1, 1, 8), (97, 2, 2, 8), (324, 16, 2, 16), (4096, 1, 1, 8),
+                                        (100_000, 3, 8, 64)]:
+        n = amx_attention.item_tokens(tokens, group, heads, slots)
+        assert n % block == 0 and block <= n and (n == block or n * group <= most)
+        assert n == block or -(-tokens // n) * heads >= amx_attention.ITEMS_PER_SLOT * slots
 
 
 def _decode(monkeypatch, amx, *args, **options):
