@@ -52,11 +52,14 @@ def applies(k_cache, kv_format, dot_products):
 
 # Most query rows (tokens x GQA group) per prefill work item. An item lays each chunk's keys and
 # values out for the tiles once for all its blocks of QUERY_BLOCK tokens, which items of one block
-# redid for every block. Intel Xeon, 2026-12-04, against items of one block (time ratios, process
-# pairs alternating calls, 15 rounds; the same code against itself 1.01-1.07): 256 rows S1 0.74,
-# S3 0.85, G3 0.90, G7 0.95; S1 at 32 / 64 / 128 tokens 0.87-1.01 / 0.75-0.77 / 0.97-0.99 (the
-# item's rows outgrow L2's share), S3 at 64 / 128 0.86-0.88 / 0.82-0.86.
-ITEM_ROWS = 256
+# redid for every block (at S1 the layouts took about half the time: time saved by leaving each
+# out, though that also left the pages unread). Intel Xeon, 2026-12-04, fresh processes taking
+# turns (each steady within itself since the arena, _arena), median ms per call, items of one
+# block -> 512 rows: S1 110-161 -> 97-99, S3 73-82 -> 56-61, G3 86-122 -> 69-70, G7 84-121 ->
+# 78-79. Against 512 rows: 256 S1 97-104, G7 78-80; 1,024 the same as 512. Without the arena,
+# larger items had measured slower (S1 at 128 tokens 0.97-0.99x the time of one block, at 64
+# 0.75-0.77x).
+ITEM_ROWS = 512
 ITEMS_PER_SLOT = 2  # smaller items where a call has fewer query rows, so every slot gets work
 
 
@@ -235,6 +238,37 @@ def _tile_rows(values, row_bytes, num_tokens, t0, tail, tail_step):
     return values + t0 * row_bytes, row_bytes
 
 
+PAGE_BYTES = 4096
+
+
+@njit(**JIT)
+def _arena(shapes):
+    """One allocation for a thread's tile operands, each a [rows, words] array of 32-bit words
+    (shapes: int64 [n, 2]) starting on a 4 KiB page: returns the arena (uint32) and where each
+    array starts in it (int64 [n], in words).
+
+    Allocated one by one, the arrays landed anywhere in their pages, differently in every
+    process, and one process's S1 prefill took up to 1.4x another's (AMX, Intel Xeon: 93-137 ms
+    over six processes, steady within each, whatever the caches' own addresses; in the arena
+    87-98 ms over fourteen; rows padded by a line on top: no different).
+    """
+    words = PAGE_BYTES // 4
+    starts = np.empty(shapes.shape[0], np.int64)
+    end = 0
+    for i in range(shapes.shape[0]):
+        starts[i] = end
+        end += -(-shapes[i, 0] * shapes[i, 1] // words) * words
+    arena = np.empty(end + words, np.uint32)
+    first = (-arena.ctypes.data % PAGE_BYTES) // 4
+    return arena, starts + first
+
+
+@njit(inline="always", **JIT)
+def _words(arena, start, shape):
+    """The arena's array from word ``start``: uint32 [shape[0], shape[1]]."""
+    return arena[start:start + shape[0] * shape[1]].reshape((shape[0], shape[1]))
+
+
 @njit(parallel=True, **JIT)
 def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_indptr, scale, window,
             soft_cap, alibi_slopes, out, lse, prefetch_blocks):
@@ -258,14 +292,20 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
     row_bytes = k_cache.strides[2]
     for slot in prange(slot_indptr.shape[0] - 1):
         # The item's rows; scores and probabilities one block's (blocks take turns per chunk: at
-        # the item's size they took S1 1.3x the time)
-        qs, acc, m, l, qpos, _ = thread_scratch(padded_rows, 0, head_dim)
-        scores = np.empty((block_rows, cols), np.float32)
-        q_bits = np.zeros((padded_rows, head_dim), np.uint16)
+        # the item's size they took S1 1.3x the time). The tiles' operands lie in one arena.
+        qs, _, m, l, qpos, _ = thread_scratch(padded_rows, 0, head_dim)
         pairs = _pair_rows(cols)
-        packed = np.zeros((block_rows, pairs), np.uint32)
-        v_pairs = np.empty((pairs, head_dim), np.uint32)
-        keys_t = np.empty((cols // ROWS, chunks, ROWS, ROWS), np.uint32)  # a chunk's keys, 16 at a time
+        shapes = np.array([(block_rows, cols), (padded_rows, head_dim // 2), (block_rows, pairs),
+                           (pairs, head_dim), (cols * chunks, ROWS), (padded_rows, head_dim)])
+        arena, starts = _arena(shapes)
+        scores = _words(arena, starts[0], shapes[0]).view(np.float32)
+        q_bits = _words(arena, starts[1], shapes[1]).view(np.uint16)  # bfloat16 rows, pairs to a word
+        packed = _words(arena, starts[2], shapes[2])
+        v_pairs = _words(arena, starts[3], shapes[3])
+        keys_t = _words(arena, starts[4], shapes[4])  # a chunk's keys, 16 at a time (B's layout)
+        acc = _words(arena, starts[5], shapes[5]).view(np.float32)
+        q_bits[:] = 0
+        packed[:] = 0
         slopes = np.empty(padded_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
         q_step, s_step = q_bits.strides[0], scores.strides[0]
         p_step, a_step, v_step = packed.strides[0], acc.strides[0], v_pairs.strides[0]

@@ -168,11 +168,11 @@ def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, gro
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
-def test_prefill_items_hold_up_to_256_rows_and_leave_every_slot_work():
+def test_prefill_items_hold_up_to_512_rows_and_leave_every_slot_work():
     block, most = amx_attention.QUERY_BLOCK, amx_attention.ITEM_ROWS
-    assert amx_attention.item_tokens(16 * 128, 4, 8, 8) == 64    # S1's chunked prefill: 256 items
-    assert amx_attention.item_tokens(64 * 128, 1, 16, 8) == 256  # S3's (MHA)
-    assert amx_attention.item_tokens(16 * 128, 7, 4, 8) == 32    # 7 heads a group: 224 rows
+    assert amx_attention.item_tokens(16 * 128, 4, 8, 8) == 128   # S1's chunked prefill: 128 items
+    assert amx_attention.item_tokens(64 * 128, 1, 16, 8) == 512  # S3's (MHA)
+    assert amx_attention.item_tokens(16 * 128, 7, 4, 8) == 64    # 7 heads a group: 448 rows
     assert amx_attention.item_tokens(1, 4, 1, 8) == block        # one token: one block
     assert amx_attention.item_tokens(324, 4, 2, 8) == 32         # 648 token-heads: 20 items for 8 slots
     for tokens, group, heads, slots in [(1, 1, 1, 8), (97, 2, 2, 8), (324, 16, 2, 16), (4096, 1, 1, 8),
