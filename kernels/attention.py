@@ -55,7 +55,8 @@ from pagekv.kernels.page_loops import (DECODE_SCORES, DECODE_VALUES, KEY_LANE_RO
                                        plain_page_accumulate, plain_page_scores, takes_fma_tiles)
 from pagekv.kernels.prefetch import block_address
 
-QUERY_BLOCK = 16  # prefill query tokens per work item: the least of query_tokens; the AMX kernel's rows per block
+# Prefill query tokens per work item: the least of query_tokens; the AMX kernel's tokens per block.
+QUERY_BLOCK = 16
 # Keys per online-softmax update: pages are folded in chunks of this many tokens (whole pages), so
 # small pages do not pay the per-update costs (max, rescale of the accumulators) every 16 tokens.
 # Measured on S1 (float32, page 16): 15.5 GB/s folding per page, 17.9 per 64 tokens, 19.1 per 128,

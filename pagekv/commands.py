@@ -1,6 +1,7 @@
 """What each ``pagekv`` subcommand does (argument parsing lives in cli.py)."""
 
 import json
+import os
 import sys
 import time
 
@@ -286,7 +287,10 @@ def _bf16_path(features):
         return (f"AMX tiles for prefill, and for decode with GQA groups of {low}-{high} query heads "
                 f"per KV head ({amx_attention.WIDE_MIN_GROUP}-{high} above head_dim "
                 f"{amx_attention.WIDE_HEAD_DIM}); vdpbf16ps otherwise (PAGEKV_AMX=0 turns AMX off)")
-    off = " (AMX off: PAGEKV_AMX=0)" if features.get("amx-bf16") else ""
+    off = ""
+    if features.get("amx-bf16"):
+        off = (" (AMX off: PAGEKV_AMX=0)" if os.environ.get("PAGEKV_AMX") == "0"
+               else " (the CPU has AMX, but this OS did not grant its tile state)")
     if BF16_PRODUCTS:
         return f"vdpbf16ps (AVX512-BF16) products, float32 sums{off}"
     return "rows widened to float32 as they load (no AVX512-BF16)"
@@ -294,7 +298,6 @@ def _bf16_path(features):
 
 def info(args, model_of=None):
     import importlib.metadata
-    import os
     import pathlib
     import platform
 

@@ -139,25 +139,30 @@ def test_info_and_bench(capsys, monkeypatch):
     assert len(s1) >= 2 and not any(np.shares_memory(k, v) for k, v in s1)
 
 
-@pytest.mark.parametrize("amx, products, amx_flag, expected", [
-    (True, True, True, "AMX tiles for prefill, and for decode with GQA groups of 2-16 query heads per KV "
-                       "head (4-16 above head_dim 128); vdpbf16ps otherwise (PAGEKV_AMX=0 turns AMX off)"),
-    (False, True, True, "vdpbf16ps (AVX512-BF16) products, float32 sums (AMX off: PAGEKV_AMX=0)"),
-    (False, True, False, "vdpbf16ps (AVX512-BF16) products, float32 sums"),
-    (False, False, False, "rows widened to float32 as they load (no AVX512-BF16)"),
+@pytest.mark.parametrize("amx, products, amx_flag, env, expected", [
+    (True, True, True, "1", "AMX tiles for prefill, and for decode with GQA groups of 2-16 query heads per "
+                            "KV head (4-16 above head_dim 128); vdpbf16ps otherwise (PAGEKV_AMX=0 turns "
+                            "AMX off)"),
+    (False, True, True, "0", "vdpbf16ps (AVX512-BF16) products, float32 sums (AMX off: PAGEKV_AMX=0)"),
+    (False, True, True, "1", "vdpbf16ps (AVX512-BF16) products, float32 sums (the CPU has AMX, but this OS "
+                             "did not grant its tile state)"),
+    (False, True, False, "1", "vdpbf16ps (AVX512-BF16) products, float32 sums"),
+    (False, False, False, "1", "rows widened to float32 as they load (no AVX512-BF16)"),
 ])
-def test_info_names_the_bfloat16_path(capsys, monkeypatch, amx, products, amx_flag, expected):
-    """Which of the three bfloat16 paths this process takes, whatever the CPU running the test."""
+def test_info_names_the_bfloat16_path(capsys, monkeypatch, amx, products, amx_flag, env, expected):
+    """Which of the three bfloat16 paths this process takes, and why not AMX where the CPU has it,
+    whatever the CPU running the test."""
     from pagekv import attention
     from pagekv.kernels import _amx
+    monkeypatch.setenv("PAGEKV_AMX", env)
     monkeypatch.setattr(_amx, "AVAILABLE", amx)
     monkeypatch.setattr(attention, "BF16_PRODUCTS", products)
     features = llvm.get_host_cpu_features()
     features["amx-bf16"] = amx_flag
     monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: features)
     assert main(["info"]) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("bfloat16"))
-    assert line == f"bfloat16   {expected}"
+    lines = capsys.readouterr().out.splitlines()
+    assert [row for row in lines if row.startswith("bfloat16")] == [f"bfloat16   {expected}"]
 
 
 def test_info_finds_the_kernels_under_numba_cache_dir(tmp_path):
