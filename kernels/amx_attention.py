@@ -292,8 +292,9 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
     row_bytes = k_cache.strides[2]
     for slot in prange(slot_indptr.shape[0] - 1):
         # The item's rows; scores and probabilities one block's (blocks take turns per chunk: at
-        # the item's size they took S1 1.19x the time). The tiles' operands lie in one arena.
-        qs, _, m, l, qpos, _ = thread_scratch(padded_rows, 0, head_dim)
+        # the item's size they took S1 1.19x the time). The tiles' operands lie in one arena, acc
+        # among them; no float32 queries (qs, empty): the tiles take q_bits.
+        qs, _, m, l, qpos, _ = thread_scratch(padded_rows, 0, 0)
         pairs = _pair_rows(cols)
         shapes = np.array([(block_rows, cols), (padded_rows, head_dim // 2), (block_rows, pairs),
                            (pairs, head_dim), (cols * chunks, ROWS), (padded_rows, head_dim)])
