@@ -10,8 +10,9 @@ tokens (:func:`item_tokens`); per chunk of keys it lays them out once for all it
 
 then each block, from its own causal and window range, takes the chunk: its query rows in groups
 of 16 (the last group padded with zero rows), one tile product per 32 dims and row group gives 16
-x 16 scores (:func:`_amx.score_tiles`); the softmax; the probabilities two tokens to a word
-(:func:`_pack_probs`) times the interleaved values, one tile product per 16 rows, 32 tokens and
+x 16 scores (:func:`_amx.score_tiles`); the softmax, straight to bfloat16 probabilities
+(:func:`softmax_to_bf16`; with a soft cap or ALiBi, :func:`softmax_update` then
+:func:`_pack_probs`), two tokens to a word, times the interleaved values, one tile product per 16 rows, 32 tokens and
 16 dims, the sums of a row group and 64 dims staying in tiles across the chunk
 (:func:`_amx.load_sums`, :func:`_amx.accumulate_pairs`, :func:`_amx.store_sums`).
 
@@ -35,8 +36,8 @@ from pagekv.kernels._dtypes import FORMAT_BFLOAT16
 from pagekv.kernels._math import JIT, fast_exp
 from pagekv.kernels._tile_rows import pack_pairs, to_bf16
 from pagekv.kernels.attention import CHUNK_TOKENS, QUERY_BLOCK, _prefill_ahead
-from pagekv.kernels.online_softmax import (finish_row, softmax_update, start_decode_item,
-                                           start_prefill_item, thread_scratch)
+from pagekv.kernels.online_softmax import (finish_row, softmax_to_bf16, softmax_update,
+                                           start_decode_item, start_prefill_item, thread_scratch)
 from pagekv.kernels.prefetch import CACHE_LINE, block_address, prefetch_rows
 
 ROWS, CHUNK, ROW_BYTES = _amx.ROWS, _amx.CHUNK, _amx.ROW_BYTES
@@ -290,6 +291,10 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
     chunk_pages = max(1, CHUNK_TOKENS // page_size)
     cols = chunk_pages * page_size
     row_bytes = k_cache.strides[2]
+    # The plain softmax in two vector passes per row (kernels/_softmax_ir.py), where scaling, the
+    # softmax and packing took four: S1 prefill 0.79x the time, S3 0.83x, G7 0.78x (Intel Xeon,
+    # fresh processes taking turns, 2026-12-04)
+    plain = soft_cap <= 0.0 and alibi_slopes.shape[0] == 0
     for slot in prange(slot_indptr.shape[0] - 1):
         # The item's rows; scores and probabilities one block's (blocks take turns per chunk: at
         # the item's size they took S1 1.19x the time). The tiles' operands lie in one arena, acc
@@ -302,6 +307,7 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
         scores = _words(arena, starts[0], shapes[0]).view(np.float32)
         q_bits = _words(arena, starts[1], shapes[1]).view(np.uint16)  # bfloat16 rows, pairs to a word
         packed = _words(arena, starts[2], shapes[2])
+        probs = packed.view(np.uint16)  # the same, a bfloat16 per key
         v_pairs = _words(arena, starts[3], shapes[3])
         keys_t = _words(arena, starts[4], shapes[4])  # a chunk's keys, 16 at a time (B's layout)
         acc = _words(arena, starts[5], shapes[5]).view(np.float32)
@@ -357,11 +363,15 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                                              keys_t.ctypes.data + key * chunks * ROW_BYTES,
                                              min(_amx.GROUPS, groups - g0), chunks,
                                              scores.ctypes.data + g0 * ROWS * s_step + key * 4, s_step, 0, 0)
-                    _scale(scores, rows, block_cols, scale)
-                    masked = key0 + block_cols - 1 > block_low or (window > 0 and key0 <= block_high - window)
-                    softmax_update(scores, 0, rows, block_cols, key0, qpos[r0:], masked, window, soft_cap,
-                                   slopes[r0:], m[r0:], l[r0:], acc[r0:])
-                    _pack_probs(scores, rows, block_cols, packed)
+                    if plain:
+                        softmax_to_bf16(scores, rows, block_cols, key0, qpos[r0:], window, scale, m[r0:],
+                                        l[r0:], acc[r0:], probs)
+                    else:
+                        _scale(scores, rows, block_cols, scale)
+                        masked = key0 + block_cols - 1 > block_low or (window > 0 and key0 <= block_high - window)
+                        softmax_update(scores, 0, rows, block_cols, key0, qpos[r0:], masked, window, soft_cap,
+                                       slopes[r0:], m[r0:], l[r0:], acc[r0:])
+                        _pack_probs(scores, rows, block_cols, packed)
                     for d0 in range(0, head_dim // ROWS, _amx.SUM_TILES):  # 16 dims per sum tile
                         n = min(_amx.SUM_TILES, head_dim // ROWS - d0)
                         for g in range(groups):

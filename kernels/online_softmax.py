@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
-from pagekv.kernels import _amx
+from pagekv.kernels import _amx, _softmax_ir
 from pagekv.kernels._math import FASTMATH, JIT, fast_exp, fmax
 from pagekv.kernels._tile_rows import pair_dim, pair_position, to_bf16, value_dim
 
@@ -74,6 +74,41 @@ def softmax_update(scores, r0, num_rows, num_cols, key0, qpos, masked, window, s
         m[r] = new_max
         if alpha != 1.0:
             for d in range(head_dim):
+                acc[r, d] *= alpha
+
+
+@njit(**JIT)
+def softmax_to_bf16(scores, num_rows, num_cols, key0, qpos, window, scale, m, l, acc, probs):
+    """:func:`softmax_update` of unscaled scores with no soft cap and no ALiBi, its probabilities
+    rounded to bfloat16 into ``probs`` (as :func:`pagekv.kernels._tile_rows.pack_pairs` would,
+    from the same float32 values; 0 for the masked keys and up to the next multiple of 32 keys),
+    ``scores`` left as they were: two passes per row in 512-bit vectors (kernels/_softmax_ir.py).
+
+    scores : float32 [rows, >= num_cols], the keys at positions key0 .. key0 + num_cols - 1 times
+    each row's query, not yet multiplied by ``scale``; qpos : int64 [rows]; window : sliding
+    window, 0 for none (with the causal mask, each row's keys are one run of columns); m, l :
+    float32 [rows], in units of the scaled scores; acc : float32 [rows, head_dim], rescaled here;
+    probs : uint16 [rows, >= num_cols rounded up to 32].
+    """
+    padded = min(-(-num_cols // 32) * 32, probs.shape[1])
+    s_step, p_step = scores.strides[0], probs.strides[0]
+    for r in range(num_rows):
+        end = min(num_cols, qpos[r] - key0 + 1)  # causal: no key past the row's own position
+        begin = max(0, qpos[r] - window + 1 - key0) if window > 0 else 0
+        if end <= begin:  # every key of this chunk is masked for this row
+            probs[r, :padded] = 0
+            continue
+        row = scores.ctypes.data + r * s_step + begin * 4
+        new_max = max(m[r], _softmax_ir.scaled_max(row, end - begin, scale))
+        alpha = fast_exp(m[r] - new_max)  # exp(-inf) = 0 on the first chunk
+        total = _softmax_ir.exp_to_bf16(row, end - begin, scale, new_max,
+                                        probs.ctypes.data + r * p_step + begin * 2)
+        probs[r, :begin] = 0
+        probs[r, end:padded] = 0
+        l[r] = l[r] * alpha + total
+        m[r] = new_max
+        if alpha != 1.0:
+            for d in range(acc.shape[1]):
                 acc[r, d] *= alpha
 
 

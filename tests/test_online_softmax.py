@@ -1,12 +1,14 @@
 """The online softmax's fold of one chunk (kernels/online_softmax.py) against a float64 NumPy twin:
 probabilities, running max, sum and accumulators, with causal and sliding-window masks that
-leave a row all, some or none of a chunk's keys, soft caps and ALiBi slopes."""
+leave a row all, some or none of a chunk's keys, soft caps and ALiBi slopes; and the fold that
+writes bfloat16 probabilities in vectors (softmax_to_bf16, kernels/_softmax_ir.py) against the same
+twin, at row lengths on both sides of its 16-lane vectors."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagekv.kernels.online_softmax import softmax_update
+from pagekv.kernels.online_softmax import softmax_to_bf16, softmax_update
 
 
 def _fold_reference(scores, key0, qpos, masked, window, soft_cap, slopes, m, l, acc):
@@ -86,3 +88,54 @@ def test_fold_leaves_columns_past_the_chunk_alone():
     np.testing.assert_array_equal(scores[:, 5:], 7.0)
     np.testing.assert_allclose(scores[0, :5], [1, 1, 0, 0, 0])  # row 0 sees keys 0 and 1
     np.testing.assert_allclose(l, [2, 5])
+
+
+def _bf16_values(bits):
+    """float32 values of bfloat16 bit patterns (uint16)."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chunk=_chunks(), cols=st.sampled_from([1, 15, 16, 17, 31, 33, 63, 64, 65, 97, 256]),
+       scale=st.sampled_from([0.088, 1.0, -0.3]), seed=st.integers(0, 2**16))
+def test_bf16_fold_matches_float64(chunk, cols, scale, seed):
+    rows, _, key0, qpos, window, first = chunk
+    qpos = np.minimum(qpos, key0 + cols + 3)
+    rng = np.random.default_rng(seed)
+    scale = np.float32(scale)
+    scores = (30 * rng.standard_normal((rows, cols))).astype(np.float32)
+    if first:
+        m, l = np.full(rows, -np.inf, np.float32), np.zeros(rows, np.float32)
+    else:
+        m = (3 * rng.standard_normal(rows)).astype(np.float32)
+        l = rng.uniform(0.5, 9, rows).astype(np.float32)
+    acc = rng.standard_normal((rows, 16)).astype(np.float32)
+    padded = -(-cols // 32) * 32
+    probs = np.full((rows, padded + 5), 0xABCD, np.uint16)  # 5 columns past what it may write
+    before = scores.copy()
+    p, *state = _fold_reference(scores * scale, key0, qpos, True, window, 0.0, np.empty(0, np.float32),
+                                m, l, acc)
+
+    softmax_to_bf16(scores, rows, cols, key0, qpos, window, scale, m, l, acc, probs)
+
+    np.testing.assert_array_equal(scores, before)
+    got = _bf16_values(probs[:, :cols])
+    np.testing.assert_allclose(got, p, rtol=2.0 ** -8, atol=1e-30)  # one bfloat16 rounding
+    assert np.all(got[p == 0] == 0)  # masked keys
+    np.testing.assert_array_equal(probs[:, cols:padded], 0)  # the value tiles read up to 32 keys
+    np.testing.assert_array_equal(probs[:, padded:], 0xABCD)
+    for got, want in zip((m, l, acc), state):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_bf16_fold_vectors_and_tail_agree():
+    """A row's first 16 keys go through 16-lane vectors (vcvtneps2bf16 where the CPU has it), the
+    rest of a 31-key row through scalar code (integer rounding): the same scores, the same bits."""
+    rng = np.random.default_rng(7)
+    lane = (20 * rng.standard_normal(16)).astype(np.float32)
+    scores = np.concatenate([lane, lane[:15]])[None, :]
+    m, l, acc = np.full(1, -np.inf, np.float32), np.zeros(1, np.float32), np.zeros((1, 1), np.float32)
+    probs = np.zeros((1, 32), np.uint16)
+    softmax_to_bf16(scores, 1, 31, 0, np.array([40]), 0, np.float32(0.7), m, l, acc, probs)
+    np.testing.assert_array_equal(probs[0, 16:31], probs[0, :15])
+    assert np.count_nonzero(probs[0, :15]) >= 3
