@@ -8,9 +8,9 @@ then :func:`pagekv.kernels._tile_rows.pack_pairs`) compile to 256-bit vectors on
 counters around each phase, docs/performance.md). Here a row takes two passes of <16 x float>.
 
 The exponential is 2^(x log2 e) by Cephes' ``exp2f`` (degree-6 polynomial on [-0.5, 0.5], relative
-error ~2e-7, as accurate as :func:`pagekv.kernels._math.fast_exp`), exactly 0 where x log2 e is
-below -127 (probabilities under 2^-126, which bfloat16 would not keep apart from 0 in a sum of at
-least one 1). The bfloat16 rounding is :func:`pagekv.kernels._tile_rows.to_bf16`'s (to nearest
+error ~2e-7, as accurate as :func:`pagekv.kernels._math.fast_exp`), its power clamped at
+-125.5: no probability is below ~1.7e-38 (where fast_exp gives 0), far below what a sum that
+holds a 1 keeps, and none is subnormal, which vcvtneps2bf16 would flush. The bfloat16 rounding is :func:`pagekv.kernels._tile_rows.to_bf16`'s (to nearest
 even), so the value tiles see what the ``vdpbf16ps`` path would give them for the same float32
 probability. The last n % 16 elements take the same arithmetic on scalars.
 """
