@@ -10,9 +10,10 @@ counters around each phase, docs/performance.md). Here a row takes two passes of
 The exponential is 2^(x log2 e) by Cephes' ``exp2f`` (degree-6 polynomial on [-0.5, 0.5], relative
 error ~2e-7, as accurate as :func:`pagekv.kernels._math.fast_exp`), its power clamped at
 -125.5: no probability is below ~1.7e-38 (where fast_exp gives 0), far below what a sum that
-holds a 1 keeps, and none is subnormal, which vcvtneps2bf16 would flush. The bfloat16 rounding is :func:`pagekv.kernels._tile_rows.to_bf16`'s (to nearest
-even), so the value tiles see what the ``vdpbf16ps`` path would give them for the same float32
-probability. The last n % 16 elements take the same arithmetic on scalars.
+holds a 1 keeps, and none is subnormal, which vcvtneps2bf16 would flush. The bfloat16 rounding
+is :func:`pagekv.kernels._tile_rows.to_bf16`'s (to nearest even), so the value tiles see what the
+``vdpbf16ps`` path would give them for the same float32 probability. The last n % 16 elements
+take the same arithmetic on scalars.
 """
 
 import math
@@ -22,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagekv.kernels._tile_ir import F32, F32X16, HAS_AVX512_BF16, I32, I32X16, LANES, _BFloat
+from pagekv.kernels._tile_ir import F32, F32X16, HAS_AVX512_BF16, I32, I32X16, LANES, _BFloat, splat
 
 I16 = ir.IntType(16)
 I64 = ir.IntType(64)
@@ -46,10 +47,11 @@ def _const(kind, value):
 
 
 def _call(builder, name, kind, args):
-    """The LLVM intrinsic ``name`` over float32 or <16 x float> (llvmlite cannot name vector overloads)."""
+    """The LLVM intrinsic ``name`` over float32 or <16 x float> (llvmlite cannot name vector
+    overloads)."""
     suffix = ".v16f32" if isinstance(kind, ir.VectorType) else ".f32"
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(kind, [kind] * len(args)), name + suffix)
-    return builder.call(fn, args)
+    fnty = ir.FunctionType(kind, [kind] * len(args))
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name + suffix), args)
 
 
 def _max(builder, a, b):
@@ -62,17 +64,12 @@ def _fence(builder, value):
     """``value``, which the caller's fast-math flags may not reassociate or contract across: Numba
     puts its flags ("reassoc", "contract") on every float instruction of the function, these too,
     and (y + 1.5 * 2^23) - 1.5 * 2^23 would fold to y, s * scale - m into an fma."""
-    suffix = ".v16f32" if isinstance(value.type, ir.VectorType) else ".f32"
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(value.type, [value.type]),
-                                        "llvm.arithmetic.fence" + suffix)
-    return builder.call(fn, [value])
+    return _call(builder, "llvm.arithmetic.fence", value.type, [value])
 
 
 def _splat(builder, scalar, kind):
-    if not isinstance(kind, ir.VectorType):
-        return scalar
-    one = builder.insert_element(ir.Constant(kind, ir.Undefined), scalar, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined), ir.Constant(I32X16, [0] * LANES))
+    """A float32 as ``kind``: itself, or in all 16 lanes."""
+    return splat(builder, scalar) if isinstance(kind, ir.VectorType) else scalar
 
 
 def _exp_bf16(builder, scores, scale, offset):
@@ -116,8 +113,8 @@ def _over_row(builder, count, body):
     vectors = builder.ashr(count, ir.Constant(count.type, 4))
     with cgutils.for_range(builder, vectors) as loop:
         body(F32X16, builder.mul(loop.index, ir.Constant(count.type, LANES)))
-    one = ir.Constant(count.type, 1)
-    with cgutils.for_range_slice(builder, builder.mul(vectors, ir.Constant(count.type, LANES)), count, one) as (i, _):
+    rest = builder.mul(vectors, ir.Constant(count.type, LANES))
+    with cgutils.for_range_slice(builder, rest, count, ir.Constant(count.type, 1)) as (i, _):
         body(F32, i)
 
 
@@ -137,7 +134,9 @@ def _words(*kinds):
 
 
 def _pointer(builder, address, index, size, kind):
-    return builder.inttoptr(builder.add(address, builder.mul(index, ir.Constant(I64, size))), kind.as_pointer())
+    """The pointer to element ``index`` (``size`` bytes each) from ``address``, as ``kind``."""
+    element = builder.add(address, builder.mul(index, ir.Constant(I64, size)))
+    return builder.inttoptr(element, kind.as_pointer())
 
 
 @intrinsic

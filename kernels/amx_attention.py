@@ -12,8 +12,8 @@ then each block, from its own causal and window range, takes the chunk: its quer
 of 16 (the last group padded with zero rows), one tile product per 32 dims and row group gives 16
 x 16 scores (:func:`_amx.score_tiles`); the softmax, straight to bfloat16 probabilities
 (:func:`softmax_to_bf16`; with a soft cap or ALiBi, :func:`softmax_update` then
-:func:`_pack_probs`), two tokens to a word, times the interleaved values, one tile product per 16 rows, 32 tokens and
-16 dims, the sums of a row group and 64 dims staying in tiles across the chunk
+:func:`_pack_probs`), two tokens to a word, times the interleaved values, one tile product per 16
+rows, 32 tokens and 16 dims, the sums of a row group and 64 dims staying in tiles across the chunk
 (:func:`_amx.load_sums`, :func:`_amx.accumulate_pairs`, :func:`_amx.store_sums`).
 
 :func:`decode` does the work of :func:`pagekv.kernels.attention.decode` (the same planned items:
@@ -368,7 +368,8 @@ def prefill(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, items, slot_i
                                         l[r0:], acc[r0:], probs)
                     else:
                         _scale(scores, rows, block_cols, scale)
-                        masked = key0 + block_cols - 1 > block_low or (window > 0 and key0 <= block_high - window)
+                        masked = (key0 + block_cols - 1 > block_low
+                                  or (window > 0 and key0 <= block_high - window))
                         softmax_update(scores, 0, rows, block_cols, key0, qpos[r0:], masked, window, soft_cap,
                                        slopes[r0:], m[r0:], l[r0:], acc[r0:])
                         _pack_probs(scores, rows, block_cols, packed)

@@ -42,7 +42,6 @@ def softmax_update(scores, r0, num_rows, num_cols, key0, qpos, masked, window, s
     position (indexed from r0); slopes : float32 ALiBi slopes by row, or empty; m, l : float32
     running max and sum; acc : float32 [rows, head_dim] running output, rescaled here.
     """
-    head_dim = acc.shape[1]
     if soft_cap > 0.0:
         for r in range(r0, r0 + num_rows):
             for t in range(num_cols):
@@ -64,17 +63,24 @@ def softmax_update(scores, r0, num_rows, num_cols, key0, qpos, masked, window, s
                 scores[r, t] = 0.0
             continue
         new_max = max(m[r], chunk_max)
-        alpha = fast_exp(m[r] - new_max)  # exp(-inf) = 0 on the first chunk
         total = np.float32(0.0)
         for t in range(num_cols):
             p = fast_exp(scores[r, t] - new_max)
             scores[r, t] = p
             total += p
-        l[r] = l[r] * alpha + total
-        m[r] = new_max
-        if alpha != 1.0:
-            for d in range(head_dim):
-                acc[r, d] *= alpha
+        _fold(r, new_max, total, m, l, acc)
+
+
+@njit(inline="always", **JIT)
+def _fold(r, new_max, total, m, l, acc):
+    """Row r's running state after a chunk whose probabilities (taken against new_max) sum to
+    total: its sum and accumulator rescaled by exp(m[r] - new_max), then the max moved up."""
+    alpha = fast_exp(m[r] - new_max)  # exp(-inf) = 0 on the first chunk
+    l[r] = l[r] * alpha + total
+    m[r] = new_max
+    if alpha != 1.0:
+        for d in range(acc.shape[1]):
+            acc[r, d] *= alpha
 
 
 @njit(**JIT)
@@ -100,16 +106,11 @@ def softmax_to_bf16(scores, num_rows, num_cols, key0, qpos, window, scale, m, l,
             continue
         row = scores.ctypes.data + r * s_step + begin * 4
         new_max = max(m[r], _softmax_ir.scaled_max(row, end - begin, scale))
-        alpha = fast_exp(m[r] - new_max)  # exp(-inf) = 0 on the first chunk
         total = _softmax_ir.exp_to_bf16(row, end - begin, scale, new_max,
                                         probs.ctypes.data + r * p_step + begin * 2)
         probs[r, :begin] = 0
         probs[r, end:padded] = 0
-        l[r] = l[r] * alpha + total
-        m[r] = new_max
-        if alpha != 1.0:
-            for d in range(acc.shape[1]):
-                acc[r, d] *= alpha
+        _fold(r, new_max, total, m, l, acc)
 
 
 @njit(**JIT)
