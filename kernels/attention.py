@@ -48,8 +48,8 @@ from pagekv.kernels import _warm, slots
 from pagekv.kernels._math import JIT
 from pagekv.kernels._tile_ir import PAIR_ORDER, PAIRED
 from pagekv.kernels._tile_rows import pack_pairs
-from pagekv.kernels.online_softmax import (dot_scratch, finish_row, softmax_update, start_decode_item,
-                                           start_prefill_item, thread_scratch)
+from pagekv.kernels.online_softmax import (dot_scratch, finish_row, softmax_to_bf16, softmax_update,
+                                           start_decode_item, start_prefill_item, thread_scratch)
 from pagekv.kernels.page_loops import (DECODE_SCORES, DECODE_VALUES, KEY_LANE_ROWS, KINDS,
                                        PREFILL_CHUNK_VALUES, PREFILL_SCORES, kernel_kind,
                                        plain_page_accumulate, plain_page_scores, takes_fma_tiles)
@@ -297,6 +297,11 @@ def _prefill_kernel(kind):
         tiles = takes_fma_tiles(k_cache) if fma else True
         dots = not fma
         pairs = pair_kind and tiles
+        # The vdpbf16ps tiles' plain softmax (no soft cap, no ALiBi) in two vector passes per row,
+        # straight to packed bfloat16 (kernels/_softmax_ir.py): prefill 0.98-0.99x the time on
+        # the Intel Xeon with AMX off (S1, S3, G8). Decode keeps softmax_update and pack_pairs:
+        # there, from cache, S3 0.93x but S1 1.03x and G8 1.06x.
+        plain = soft_cap <= 0.0 and alibi_slopes.shape[0] == 0
         num_slots, next_slot = slot_indptr.shape[0] - 1, slots.new_counter()
         for _ in prange(min(num_slots, num_threads)):
             qs, acc, m, l, qpos, scores = thread_scratch(max_rows, chunk_pages * page_size, head_dim)
@@ -331,11 +336,15 @@ def _prefill_kernel(kind):
                                 PREFILL_SCORES(kind, q_bits, 0, num_rows, k_cache, block_table[seq, p],
                                                head, num_tokens, scale, scores, (p - first) * page_size,
                                                ahead, 0)
-                        masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
-                        softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window,
-                                       soft_cap, slopes, m, l, acc)
-                        if dots:
-                            pack_pairs(scores, 0, num_rows, num_cols, packed)
+                        if dots and plain:  # scaled by the tiles already
+                            softmax_to_bf16(scores, num_rows, num_cols, key0, qpos, window,
+                                            np.float32(1.0), m, l, acc, packed.view(np.uint16))
+                        else:
+                            masked = key0 + num_cols - 1 > low or (window > 0 and key0 <= high - window)
+                            softmax_update(scores, 0, num_rows, num_cols, key0, qpos, masked, window,
+                                           soft_cap, slopes, m, l, acc)
+                            if dots:
+                                pack_pairs(scores, 0, num_rows, num_cols, packed)
                         for p in range(first, last):  # the tiles take the chunk's blocks at once
                             ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
                                                    page_end, chunk_pages, True, prefetch_blocks)
