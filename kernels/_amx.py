@@ -50,6 +50,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pagekv.kernels._tile_ir import transposed
 from pagekv.kernels.prefetch import CACHE_LINE, emit_prefetch
 
 ROWS = 16  # rows of every tile: query rows of a group, keys, value rows
@@ -147,27 +148,10 @@ def _groups_switch(builder, groups, emit):
             emit(n)
 
 
-def _transposed(builder, rows):
-    """The 16 x 16 transpose of 16 <16 x i32> rows: out[k][n] = rows[n][k]. Four rounds, each
-    swapping one bit of the row index with the same bit of the lane index by two-source
-    shuffles of row pairs (64 shuffles in all)."""
-    for bit in (1, 2, 4, 8):
-        low = [m if not m & bit else ROWS + m - bit for m in range(ROWS)]
-        high = [m + bit if not m & bit else ROWS + m for m in range(ROWS)]
-        swapped = list(rows)
-        for v in range(ROWS):
-            if not v & bit:
-                a, b = rows[v], rows[v | bit]
-                swapped[v] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, ROWS), low))
-                swapped[v | bit] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, ROWS), high))
-        rows = swapped
-    return rows
-
-
 @intrinsic
 def transpose_words(typingctx, source, source_step, target, target_step):
     """target word (k, n) = source word (n, k) for a 16 x 16 block of 32-bit words, by vector
-    shuffles (:func:`_transposed`): rows source_step and target_step bytes apart.
+    shuffles (:func:`pagekv.kernels._tile_ir.transposed`): rows source_step and target_step bytes apart.
 
     Prefill puts 16 keys in the score tiles' B layout with it, 32 dims at a time (word k of key n
     holds dims 2k and 2k + 1: moving the words one by one took ~25% of prefill's time); decode
@@ -182,7 +166,7 @@ def transpose_words(typingctx, source, source_step, target, target_step):
         for n in range(ROWS):
             address = builder.add(source, builder.mul(source_step, _i64(n)))
             rows.append(builder.load(builder.inttoptr(address, vector.as_pointer()), align=2))
-        for k, row in enumerate(_transposed(builder, rows)):
+        for k, row in enumerate(transposed(builder, rows)):
             address = builder.add(target, builder.mul(target_step, _i64(k)))
             builder.store(row, builder.inttoptr(address, vector.as_pointer()), align=4)
         return context.get_dummy_value()

@@ -1,5 +1,7 @@
-"""A row of the softmax in 512-bit vectors, written as LLVM IR: the largest scaled score, and the
-probabilities stored straight as bfloat16 (the value tiles' input) with their float32 sum.
+"""The softmax in 512-bit vectors, written as LLVM IR: a row's largest scaled score and its
+probabilities stored straight as bfloat16 (the value tiles' input) with their float32 sum; and the
+same down the columns of decode's scores, 16 query rows to a vector, into the AMX value tiles' A
+rows.
 
 Why IR: Numba's loops over the same arithmetic (:func:`pagekv.kernels.online_softmax.softmax_update`,
 then :func:`pagekv.kernels._tile_rows.pack_pairs`) compile to 256-bit vectors on the Intel Xeon
@@ -7,13 +9,15 @@ then :func:`pagekv.kernels._tile_rows.pack_pairs`) compile to 256-bit vectors on
 57% of the AMX prefill's cycles (S1: softmax 43%, packing 9%, scaling 5%; the tiles 34%; cycle
 counters around each phase, docs/performance.md). Here a row takes two passes of <16 x float>.
 
-The exponential is 2^(x log2 e) by Cephes' ``exp2f`` (degree-6 polynomial on [-0.5, 0.5], relative
-error ~2e-7, as accurate as :func:`pagekv.kernels._math.fast_exp`), its power clamped at
--125.5: no probability is below ~1.7e-38 (where fast_exp gives 0), far below what a sum that
-holds a 1 keeps, and none is subnormal, which vcvtneps2bf16 would flush. The bfloat16 rounding
-is :func:`pagekv.kernels._tile_rows.to_bf16`'s (to nearest even), so the value tiles see what the
-``vdpbf16ps`` path would give them for the same float32 probability. The last n % 16 elements
-take the same arithmetic on scalars.
+The exponential is 2^y, y = x scale log2(e) - max log2(e) by one multiply-add (so the largest
+score's p is 1 to within ~1e-6, not exactly), its power clamped at -125.5: no probability is
+below ~1.7e-38 (where fast_exp gives 0), far below what a sum that holds a 1 keeps, and none is
+subnormal, which vcvtneps2bf16 would flush. 2^y = 2^n (1 + f P(f)), n = y rounded, by a
+polynomial within 1.9e-7 of it (as accurate as :func:`pagekv.kernels._math.fast_exp`) and, on
+AVX-512, one ``vscalefps``: ~16 instructions per 16 scores. The bfloat16 rounding is
+:func:`pagekv.kernels._tile_rows.to_bf16`'s (to nearest even), so the value tiles see what the
+``vdpbf16ps`` path would give them for the same float32 probability. A row's last n % 16
+elements take the same arithmetic on scalars.
 """
 
 import math
@@ -23,7 +27,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagekv.kernels._tile_ir import F32, F32X16, HAS_AVX512_BF16, I32, I32X16, LANES, _BFloat, splat
+from pagekv.kernels._tile_ir import (F32, F32X16, HAS_AVX512_BF16, HAS_AVX512F, I32, I32X16, LANES, _BFloat,
+                                     splat, transposed)
 
 I16 = ir.IntType(16)
 I64 = ir.IntType(64)
@@ -34,9 +39,11 @@ _LOG2E = 1.0 / math.log(2.0)
 # -126), as vcvtneps2bf16 flushes subnormals, which the integer rounding keeps
 _LOWEST = -125.5
 _ROUNDER = 1.5 * 2.0 ** 23
-# Cephes exp2f: 2^f = 1 + f P(f) on [-0.5, 0.5], highest power first
-_EXP2_POLY = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3,
-              5.550332471162809e-2, 2.402264791363012e-1, 6.931472028550421e-1)
+# 2^f = 1 + f P(f) on [-0.5, 0.5], highest power first: P of degree 4 fitted to the relative error
+# (weighted least squares reweighted towards minimax, Lawson's method, in float64); evaluated in
+# float32 it is within 1.9e-7 of 2^f (Cephes' exp2f, a degree higher: 1e-7)
+_EXP2_POLY = (1.326472731307149e-3, 9.671512991189957e-3, 5.550733581185341e-2,
+              2.402224242687225e-1, 6.931470036506653e-1)
 
 
 def _const(kind, value):
@@ -72,24 +79,30 @@ def _splat(builder, scalar, kind):
     return splat(builder, scalar) if isinstance(kind, ir.VectorType) else scalar
 
 
-def _exp_bf16(builder, scores, scale, offset):
-    """p = exp(scores * scale - offset) and its bfloat16 bits, for a float32 or <16 x float>."""
+def _exp_bf16(builder, scores, slope, intercept):
+    """p = 2^(scores * slope + intercept) and its bfloat16 bits, for a float32 or <16 x float>
+    (slope and intercept alike)."""
     kind = scores.type
     ints = I32X16 if isinstance(kind, ir.VectorType) else I32
-    # rounded product, then the difference (no fma): the row's largest score gives exactly 0
-    # and p = 1, as in softmax_update, which scales the scores before it subtracts the max
-    x = builder.fsub(_fence(builder, builder.fmul(scores, scale)), offset)
-    y = _max(builder, builder.fmul(x, _const(kind, _LOG2E)), _const(kind, _LOWEST))
+    y = _max(builder, _call(builder, "llvm.fma", kind, [scores, slope, intercept]), _const(kind, _LOWEST))
     # n = y rounded to nearest: adding 1.5 * 2^23 leaves it in the low mantissa bits, whose
     # integer (mod 2^32) also builds 2^n, so no round or convert instruction
     shifted = _fence(builder, builder.fadd(y, _const(kind, _ROUNDER)))
-    f = builder.fsub(y, _fence(builder, builder.fsub(shifted, _const(kind, _ROUNDER))))
+    n = _fence(builder, builder.fsub(shifted, _const(kind, _ROUNDER)))
+    f = builder.fsub(y, n)
     poly = _const(kind, _EXP2_POLY[0])
     for c in _EXP2_POLY[1:]:
         poly = _call(builder, "llvm.fma", kind, [poly, f, _const(kind, c)])
     mantissa = _call(builder, "llvm.fma", kind, [f, poly, _const(kind, 1.0)])
-    exponent = builder.shl(builder.add(builder.bitcast(shifted, ints), _const(ints, 127)), _const(ints, 23))
-    p = builder.fmul(mantissa, builder.bitcast(exponent, kind))
+    if isinstance(kind, ir.VectorType) and HAS_AVX512F:  # one vscalefps: mantissa * 2^n
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(F32X16, [F32X16, F32X16, F32X16, I16, I32]),
+            "llvm.x86.avx512.mask.scalef.ps.512")
+        p = builder.call(fn, [mantissa, n, mantissa, ir.Constant(I16, -1), ir.Constant(I32, 4)])
+    else:
+        exponent = builder.shl(builder.add(builder.bitcast(shifted, ints), _const(ints, 127)),
+                               _const(ints, 23))
+        p = builder.fmul(mantissa, builder.bitcast(exponent, kind))
     if isinstance(kind, ir.VectorType) and HAS_AVX512_BF16:  # one vcvtneps2bf16: the same rounding
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_BF16X16, [F32X16]),
                                             "llvm.x86.avx512bf16.cvtneps2bf16.512")
@@ -174,14 +187,90 @@ def exp_to_bf16(typingctx, address, count, scale, offset, out):
         address, count, scale, offset, out = args
         sums = _running(builder, 0.0)
 
+        slope = builder.fmul(scale, _const(F32, _LOG2E))  # 2^(x slope + intercept), one multiply-add
+        intercept = builder.fmul(builder.fneg(offset), _const(F32, _LOG2E))
+
         def body(kind, i):
             x = builder.load(_pointer(builder, address, i, 4, kind), align=4)
-            p, bits = _exp_bf16(builder, x, _splat(builder, scale, kind), _splat(builder, offset, kind))
+            p, bits = _exp_bf16(builder, x, _splat(builder, slope, kind), _splat(builder, intercept, kind))
             builder.store(bits, _pointer(builder, out, i, 2, bits.type), align=2)
             builder.store(builder.fadd(builder.load(sums[kind]), p), sums[kind])
 
         _over_row(builder, count, body)
         return builder.fadd(_lanes_fold(builder, builder.load(sums[F32X16]), builder.fadd),
                             builder.load(sums[F32]))
+
+    return signature, codegen
+
+
+# Decode's scores lie key by key (the AMX score tiles' S^T = K Q^T: a row per key, a column per
+# query row), so its softmax runs down the columns, 16 query rows to a vector: no lane folds and
+# no loop per query row, where a query row of one chunk is only 8 vectors (128 keys).
+def _row(builder, address, t, step, kind):
+    """Row t of a strip (``step`` bytes per row) from ``address``, as a pointer to ``kind``."""
+    return builder.inttoptr(builder.add(address, builder.mul(t, step)), kind.as_pointer())
+
+
+@intrinsic
+def strip_max(typingctx, address, step, begin, end, scale, out):
+    """out[j] = max(scale * x[t, j] for begin <= t < end) for j < 16 (begin < end), as 16
+    float32 at ``out``: x[t, j] is the float32 at address + t * step + 4 j."""
+    if not (_words(address, step, begin, end, out) and scale == types.float32):
+        return None
+    signature = types.void(address, step, begin, end, scale, out)
+
+    def codegen(context, builder, sig, args):
+        address, step, begin, end, scale, out = args
+        top = cgutils.alloca_once(builder, F32X16)
+        builder.store(_const(F32X16, -math.inf), top)
+        factor = splat(builder, scale)
+        with cgutils.for_range_slice(builder, begin, end, ir.Constant(I64, 1)) as (t, _):
+            x = builder.load(_row(builder, address, t, step, F32X16), align=4)
+            builder.store(_max(builder, builder.load(top), builder.fmul(x, factor)), top)
+        builder.store(builder.load(top), builder.inttoptr(out, F32X16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def exp_to_pairs(typingctx, address, step, first, begin, end, scale, offsets, sums, out, out_step):
+    """The probabilities of keys first .. first + 15 for 16 query rows, as the value tiles' A rows:
+    p[t, j] = exp(scale * x[t, j] - offsets[j]) (x as in :func:`strip_max`; 0 outside begin <= t
+    < end) rounded to bfloat16, stored for query row j at ``out`` + 2 j out_step + 4 (t - first)
+    in the low half of each word (the high half 0), and at ``out`` + (2 j + 1) out_step shifted
+    into the high half; sums[j] += the float32 sum of row j's p.
+
+    offsets, sums : addresses of 16 float32 each.
+    """
+    if not (_words(address, step, first, begin, end, offsets, sums, out, out_step)
+            and scale == types.float32):
+        return None
+    signature = types.void(address, step, first, begin, end, scale, offsets, sums, out, out_step)
+
+    def codegen(context, builder, sig, args):
+        address, step, first, begin, end, scale, offsets, sums, out, out_step = args
+        log2e = _const(F32X16, _LOG2E)
+        slope = splat(builder, builder.fmul(scale, _const(F32, _LOG2E)))
+        offset = builder.load(builder.inttoptr(offsets, F32X16.as_pointer()), align=4)
+        intercept = builder.fmul(builder.fneg(offset), log2e)
+        total = builder.load(builder.inttoptr(sums, F32X16.as_pointer()), align=4)
+        words = []
+        for i in range(LANES):
+            t = builder.add(first, ir.Constant(I64, i))
+            p, bits = _exp_bf16(builder, builder.load(_row(builder, address, t, step, F32X16), align=4),
+                                slope, intercept)
+            kept = builder.and_(builder.icmp_signed(">=", t, begin), builder.icmp_signed("<", t, end))
+            total = builder.fadd(total, builder.select(kept, p, _const(F32X16, 0.0)))
+            words.append(builder.select(kept, builder.zext(bits, I32X16), _const(I32X16, 0)))
+        builder.store(total, builder.inttoptr(sums, F32X16.as_pointer()), align=4)
+        target = builder.add(out, builder.mul(first, ir.Constant(I64, 4)))
+        for j, row in enumerate(transposed(builder, words)):
+            even = builder.add(target, builder.mul(out_step, ir.Constant(I64, 2 * j)))
+            builder.store(row, builder.inttoptr(even, I32X16.as_pointer()), align=4)
+            odd = builder.add(even, out_step)
+            builder.store(builder.shl(row, _const(I32X16, 16)), builder.inttoptr(odd, I32X16.as_pointer()),
+                          align=4)
+        return context.get_dummy_value()
 
     return signature, codegen

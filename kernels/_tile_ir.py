@@ -51,6 +51,7 @@ from pagekv.kernels.prefetch import CACHE_LINE, emit_prefetch
 
 _HOST_FEATURES = llvm.get_host_cpu_features()
 HAS_AVX512_BF16 = bool(_HOST_FEATURES.get("avx512bf16"))
+HAS_AVX512F = bool(_HOST_FEATURES.get("avx512f"))
 PAIRED = "bfloat16 pairs"  # the storage name of the vdpbf16ps tiles (the others are FMA tiles)
 LANES = 16  # float32 lanes of one 512-bit register
 PAIRS = 32  # bfloat16 elements of one 512-bit register: one chunk of a row
@@ -60,7 +61,7 @@ ROW_REGISTERS = 16  # accumulator registers of the one-row value tile: head_dim 
 # registers; on AVX2 a <16 x float> takes two of its 16 registers, so 4. Tiles with more
 # accumulators spilled them to the stack on every multiply-add (AMD EPYC, AVX2: a 4 x 4 score
 # tile held S1 decode to ~40% of the roof).
-ACCUMULATORS = 16 if _HOST_FEATURES.get("avx512f") else 4
+ACCUMULATORS = 16 if HAS_AVX512F else 4
 # bfloat16 rows for the FMA tiles in pair order on AVX2: each 16 dims of a row as their 8 even,
 # then 8 odd dims (pair_dim, kernels/_tile_rows.py), so one 32-byte load, a shift and a mask widen all 16
 # (:func:`load_bf16_pairs`), against two vpmovzxwd and two shifts in natural order.
@@ -350,3 +351,20 @@ def score_tile(emit, doc):
 
     tile.__doc__ = doc
     return tile
+
+
+def transposed(builder, rows):
+    """The 16 x 16 transpose of 16 <16 x i32> rows: out[k][n] = rows[n][k]. Four rounds, each
+    swapping one bit of the row index with the same bit of the lane index by two-source
+    shuffles of row pairs (64 shuffles in all)."""
+    for bit in (1, 2, 4, 8):
+        low = [m if not m & bit else LANES + m - bit for m in range(LANES)]
+        high = [m + bit if not m & bit else LANES + m for m in range(LANES)]
+        swapped = list(rows)
+        for v in range(LANES):
+            if not v & bit:
+                a, b = rows[v], rows[v | bit]
+                swapped[v] = builder.shuffle_vector(a, b, ir.Constant(I32X16, low))
+                swapped[v | bit] = builder.shuffle_vector(a, b, ir.Constant(I32X16, high))
+        rows = swapped
+    return rows

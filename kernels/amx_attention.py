@@ -31,7 +31,7 @@ the ``vdpbf16ps`` kernels run.
 import numpy as np
 from numba import njit, prange
 
-from pagekv.kernels import _amx
+from pagekv.kernels import _amx, _softmax_ir
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16
 from pagekv.kernels._math import JIT, fast_exp
 from pagekv.kernels._tile_rows import pack_pairs, to_bf16
@@ -177,6 +177,44 @@ def _spread_pairs(scores, num_rows, group, num_cols, spread):
         for t in range(num_cols, padded):
             spread[r, t] = 0
             spread[r + 1, t] = 0
+
+
+@njit(**JIT)
+def _columns_softmax(scores_by_key, num_rows, begin, num_cols, scale, m, l, chunk_sums, spread):
+    """Decode's plain softmax over one chunk, from the score tiles' layout straight into the value
+    tiles' A rows: :func:`_spread_pairs` of what :func:`softmax_update` would give for unscaled
+    scores with no soft cap and no ALiBi, the keys before ``begin`` (a sliding window's) masked,
+    each probability rounded as :func:`pagekv.kernels.online_softmax.softmax_to_bf16` rounds it.
+
+    Down the columns, 16 query rows to a vector (kernels/_softmax_ir.py): the largest scaled
+    score, then 16 keys at a time their exps, turned 16 x 16 in registers into the query rows'
+    A rows, where the scores took a transpose, a scaling pass, a softmax per row and a spread.
+
+    scores_by_key : float32 [cols, rows], scores_by_key[t, q] = key key0 + t times query row q,
+    not yet multiplied by ``scale``; its columns past num_rows finite (0). m, l : float32 [rows],
+    the running max and sum (folded here; the rows past num_rows finite); chunk_sums : float32
+    [rows], scratch; spread : uint32 [2 * rows, cols], as :func:`_spread_pairs` fills it when
+    query row q's rows are 2q and 2q + 1.
+    """
+    rows, step = scores_by_key.shape[1], scores_by_key.strides[0]
+    padded = min(-(-num_cols // ROWS) * ROWS, scores_by_key.shape[0])
+    if begin < num_cols:
+        for r0 in range(0, rows, ROWS):
+            _softmax_ir.strip_max(scores_by_key.ctypes.data + r0 * 4, step, begin, num_cols, scale,
+                                  chunk_sums.ctypes.data + r0 * 4)
+        for q in range(num_rows):
+            top = max(m[q], chunk_sums[q])
+            l[q] *= fast_exp(m[q] - top)  # 0 on the first chunk (m = -inf)
+            m[q] = top
+    chunk_sums[:] = 0.0
+    p_step = spread.strides[0]
+    for r0 in range(0, rows, ROWS):
+        for t0 in range(0, padded, ROWS):
+            _softmax_ir.exp_to_pairs(scores_by_key.ctypes.data + r0 * 4, step, t0, begin, num_cols,
+                                     scale, m.ctypes.data + r0 * 4, chunk_sums.ctypes.data + r0 * 4,
+                                     spread.ctypes.data + 2 * r0 * p_step, p_step)
+    for q in range(num_rows):
+        l[q] += chunk_sums[q]
 
 
 @njit(**JIT)
@@ -448,7 +486,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     Per chunk of pages, head by head (the value sums of a head stay in tiles across the chunk's
     pages, so the blocks are visited head-major, and prefetched in that order: :func:`_visits`):
     scores as S^T = K Q^T, a page's key rows as they lie times the group's queries in pairs of
-    dims (:func:`_queries_by_pairs`), then the softmax over every head's rows, then the values:
+    dims (:func:`_queries_by_pairs`), then the softmax over every head's rows (down the scores'
+    columns, :func:`_columns_softmax`, or with a soft cap or ALiBi row by row), then the values:
     the probabilities of up to 8 query rows stacked in one A tile, in even bfloat16 slots and
     again in odd ones (:func:`_spread_pairs`), so that one tile product per 16 tokens and 32 dims
     sums both halves of the dims (:func:`_amx.accumulate_stacked`), 128 dims per pass over the
@@ -472,12 +511,22 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     quad = 4 * CACHE_LINE
     share = -(-ROWS * row_bytes // (-(-chunks // pass_chunks) * quad)) * quad
     configs = _amx.decode_configs(group)
+    # The plain softmax (no soft cap, no ALiBi) runs down the score tiles' columns
+    # (:func:`_columns_softmax`) where query row q's probabilities go to A rows 2q and 2q + 1: every
+    # group but the odd ones over 8. Intel Xeon, against the transposes, softmax_update and
+    # _spread_pairs (processes alternating, new / old time): from cache S1 0.86, S2 0.85, G7 0.80,
+    # G8 0.91; from memory 0.94-0.99 (S1, S2, G3, G7, G8; 101 rounds).
+    columns = soft_cap <= 0.0 and alibi_slopes.shape[0] == 0 and num_sets * set_rows == group
     for slot in prange(slot_indptr.shape[0] - 1):
         qs, acc, m, l, qpos, scores = thread_scratch(padded_rows, cols, head_dim)
-        scores_by_key = np.empty((cols, padded_rows), np.float32)  # the score tiles' layout
+        # the score tiles' layout; its columns past the query rows stay 0 (finite, for the
+        # vectors of 16 rows of _columns_softmax)
+        scores_by_key = np.zeros((cols, padded_rows), np.float32)
+        m[num_q_heads:] = 0.0
+        chunk_sums = np.empty(padded_rows, np.float32)
         q_bits = np.empty((num_q_heads, head_dim), np.uint16)
         q_t = np.zeros((num_kv_heads, chunks, ROWS, ROWS), np.uint32)
-        spread = np.zeros((num_kv_heads * num_sets * 2 * set_rows, cols), np.uint32)
+        spread = np.zeros((max(num_kv_heads * num_sets * 2 * set_rows, 2 * padded_rows), cols), np.uint32)
         # The value sums in the tiles' layout for the whole item (acc gets them at its end): tile
         # c * num_sets + s of a head holds chunk c of its set s (:func:`_sums_to_acc`).
         sums = np.empty((num_kv_heads, chunks * num_sets, set_rows, CHUNK), np.float32)
@@ -513,17 +562,23 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                                              scores_by_key.ctypes.data + col * k_step + head * group * 4,
                                              k_step, _rows_at(ahead, t0 * row_bytes),
                                              _rows_at(again, t0 * row_bytes))
-                for t0 in range(0, num_cols, ROWS):  # one query row per row, 16 x 16 at a time
-                    for r0 in range(0, padded_rows, ROWS):
-                        _amx.transpose_words(scores_by_key.ctypes.data + t0 * k_step + r0 * 4, k_step,
-                                             scores.ctypes.data + r0 * s_step + t0 * 4, s_step)
-                _scale(scores, num_q_heads, num_cols, scale)
-                masked = window > 0 and key0 <= seq_len - 1 - window
                 m_before[:] = m[:num_q_heads]
-                softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window, soft_cap,
-                               alibi_slopes, m, l, no_acc)
+                if columns:
+                    begin = max(0, seq_len - window - key0) if window > 0 else 0
+                    _columns_softmax(scores_by_key, num_q_heads, begin, num_cols, scale, m, l,
+                                     chunk_sums, spread)
+                else:
+                    for t0 in range(0, num_cols, ROWS):  # one query row per row, 16 x 16 at a time
+                        for r0 in range(0, padded_rows, ROWS):
+                            _amx.transpose_words(scores_by_key.ctypes.data + t0 * k_step + r0 * 4,
+                                                 k_step, scores.ctypes.data + r0 * s_step + t0 * 4,
+                                                 s_step)
+                    _scale(scores, num_q_heads, num_cols, scale)
+                    masked = window > 0 and key0 <= seq_len - 1 - window
+                    softmax_update(scores, 0, num_q_heads, num_cols, key0, qpos, masked, window,
+                                   soft_cap, alibi_slopes, m, l, no_acc)
+                    _spread_pairs(scores, num_q_heads, group, num_cols, spread)
                 _rescale_sums(m_before, m, group, sums)
-                _spread_pairs(scores, num_q_heads, group, num_cols, spread)
                 last_tokens = min(page_size, seq_len - (last - 1) * page_size)
                 if last_tokens % ROWS:  # the sequence's last page ends inside a tile
                     for head in range(num_kv_heads):

@@ -131,10 +131,15 @@ def _vdpbf16ps_prefill(monkeypatch, *args, **options):
         return attention.paged_prefill_attention(*args, **options)
 
 
+# The plain softmax (none of soft cap and ALiBi) and the other, each with a window
+PLAIN_AND_OTHER_OPTIONS = [{}, {"sliding_window": 40},
+                           {"sliding_window": 40, "logits_soft_cap": 30.0, "alibi_slopes": True,
+                            "scale": 0.05}]
+
+
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (32, 96), (256, 64), (16, 256)])
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "logits_soft_cap": 30.0},
-                                     {"alibi_slopes": True, "scale": 0.05}])
+@pytest.mark.parametrize("options", PLAIN_AND_OTHER_OPTIONS)
 @pytest.mark.parametrize("tokens_per_item", [16, 48, 128])
 def test_prefill_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, group, page_size,
                                                                 head_dim, options, tokens_per_item):
@@ -217,8 +222,7 @@ def test_decode_scores_hold_one_key_per_row(group):
 
 @pytest.mark.parametrize("group", [1, 3, 4, 11, 16])
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (32, 96), (256, 64), (16, 256)])
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "logits_soft_cap": 30.0},
-                                     {"alibi_slopes": True, "scale": 0.05}])
+@pytest.mark.parametrize("options", PLAIN_AND_OTHER_OPTIONS)
 def test_decode_matches_the_vdpbf16ps_kernel_and_the_reference(monkeypatch, group, page_size,
                                                                head_dim, options):
     rng = np.random.default_rng(group * page_size + head_dim)

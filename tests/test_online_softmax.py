@@ -2,12 +2,14 @@
 probabilities, running max, sum and accumulators, with causal and sliding-window masks that
 leave a row all, some or none of a chunk's keys, soft caps and ALiBi slopes; and the fold that
 writes bfloat16 probabilities in vectors (softmax_to_bf16, kernels/_softmax_ir.py) against the same
-twin, at row lengths on both sides of its 16-lane vectors."""
+twin, at row lengths on both sides of its 16-lane vectors; and the AMX decode's fold down the
+columns of its scores (16 query rows to a vector) into the value tiles' A rows."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagekv.kernels import amx_attention
 from pagekv.kernels.online_softmax import softmax_to_bf16, softmax_update
 
 
@@ -139,3 +141,50 @@ def test_bf16_fold_vectors_and_tail_agree():
     softmax_to_bf16(scores, 1, 31, 0, np.array([40]), 0, np.float32(0.7), m, l, acc, probs)
     np.testing.assert_array_equal(probs[0, 16:31], probs[0, :15])
     assert np.count_nonzero(probs[0, :15]) >= 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_rows=st.sampled_from([1, 4, 7, 16, 17, 28, 32]),
+       num_cols=st.sampled_from([1, 15, 16, 17, 100, 128]),
+       ahead=st.sampled_from([0, 3, 100]), window=st.sampled_from([0, 1, 16, 40, 127, 200]),
+       first=st.booleans(), scale=st.sampled_from([0.088, 1.0, -0.3]), seed=st.integers(0, 2**16))
+def test_decode_column_fold_matches_float64(num_rows, num_cols, ahead, window, first, scale, seed):
+    """The AMX decode's softmax down the score tiles' columns (amx_attention._columns_softmax,
+    kernels/_softmax_ir.py strip_max and exp_to_pairs): the probabilities of query row q within one
+    bfloat16 rounding of float64 in the A rows 2q (low halves) and 2q + 1 (high halves), 0 for
+    the keys a sliding window masks (all of them where the query lies ``ahead`` of the chunk)
+    and from num_cols to the next 16; the running max and sum folded."""
+    rows, cols = -(-num_rows // 16) * 16, 128
+    rng = np.random.default_rng(seed)
+    scale = np.float32(scale)
+    by_key = np.zeros((cols, rows), np.float32)  # the columns past num_rows 0, as decode keeps them
+    by_key[:, :num_rows] = 30 * rng.standard_normal((cols, num_rows))
+    by_key[num_cols:, :num_rows] = np.nan  # a tile's keys past the sequence: never read
+    if first:
+        m, l = np.full(rows, -np.inf, np.float32), np.zeros(rows, np.float32)
+    else:
+        m = (3 * rng.standard_normal(rows)).astype(np.float32)
+        l = rng.uniform(0.5, 9, rows).astype(np.float32)
+    m[num_rows:], l[num_rows:] = 0.0, 0.0
+    scaled = by_key[:num_cols, :num_rows].T * scale  # float32, as the kernel rounds the product
+    qpos = num_cols - 1 + ahead  # the chunk's keys start at position 0
+    begin = max(0, qpos + 1 - window) if window else 0  # as decode takes it
+    p, want_m, want_l, _ = _fold_reference(scaled, 0, np.full(num_rows, qpos), True, window, 0.0,
+                                           np.empty(0, np.float32), m[:num_rows], l[:num_rows],
+                                           np.zeros((num_rows, 1), np.float32))
+    spread = np.full((2 * rows, cols), 0xDEADBEEF, np.uint32)
+
+    amx_attention._columns_softmax(by_key, num_rows, begin, num_cols, scale, m, l,
+                                   np.empty(rows, np.float32), spread)
+
+    padded = -(-num_cols // 16) * 16
+    even, odd = spread[0:2 * num_rows:2, :padded], spread[1:2 * num_rows:2, :padded]
+    np.testing.assert_array_equal(even >> 16, 0)
+    np.testing.assert_array_equal(odd, even << 16)
+    got = _bf16_values(even[:, :num_cols].astype(np.uint16))
+    np.testing.assert_allclose(got, p, rtol=2.0 ** -8, atol=1e-30)  # one bfloat16 rounding
+    np.testing.assert_array_equal(got[:, :begin], 0)  # masked by the window
+    np.testing.assert_array_equal(even[:, num_cols:], 0)  # the tiles take 16 keys at a time
+    np.testing.assert_array_equal(spread[:, padded:], 0xDEADBEEF)
+    np.testing.assert_allclose(m[:num_rows], want_m, rtol=1e-6)
+    np.testing.assert_allclose(l[:num_rows], want_l, rtol=2e-5, atol=1e-6)
