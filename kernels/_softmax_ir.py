@@ -113,6 +113,13 @@ def _exp_bf16(builder, scores, slope, intercept):
     return p, builder.trunc(rounded, I16X16 if isinstance(kind, ir.VectorType) else I16)
 
 
+def _base2(builder, scale, offset):
+    """(slope, intercept) with exp(x scale - offset) = 2^(x slope + intercept), one multiply-add per
+    x (:func:`_exp_bf16`): scale float32, offset float32 or <16 x float> (intercept alike)."""
+    return (builder.fmul(scale, _const(F32, _LOG2E)),
+            builder.fmul(builder.fneg(offset), _const(offset.type, _LOG2E)))
+
+
 def _lanes_fold(builder, vector, combine):
     """combine(...) of a <16 x float>'s lanes, pairwise."""
     lanes = [builder.extract_element(vector, ir.Constant(I32, i)) for i in range(LANES)]
@@ -187,8 +194,7 @@ def exp_to_bf16(typingctx, address, count, scale, offset, out):
         address, count, scale, offset, out = args
         sums = _running(builder, 0.0)
 
-        slope = builder.fmul(scale, _const(F32, _LOG2E))  # 2^(x slope + intercept), one multiply-add
-        intercept = builder.fmul(builder.fneg(offset), _const(F32, _LOG2E))
+        slope, intercept = _base2(builder, scale, offset)
 
         def body(kind, i):
             x = builder.load(_pointer(builder, address, i, 4, kind), align=4)
@@ -250,10 +256,9 @@ def exp_to_pairs(typingctx, address, step, first, begin, end, scale, offsets, su
 
     def codegen(context, builder, sig, args):
         address, step, first, begin, end, scale, offsets, sums, out, out_step = args
-        log2e = _const(F32X16, _LOG2E)
-        slope = splat(builder, builder.fmul(scale, _const(F32, _LOG2E)))
         offset = builder.load(builder.inttoptr(offsets, F32X16.as_pointer()), align=4)
-        intercept = builder.fmul(builder.fneg(offset), log2e)
+        slope, intercept = _base2(builder, scale, offset)
+        slope = splat(builder, slope)
         total = builder.load(builder.inttoptr(sums, F32X16.as_pointer()), align=4)
         words = []
         for i in range(LANES):
