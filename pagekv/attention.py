@@ -155,9 +155,14 @@ def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slop
     if alibi_slopes is None:
         slopes = np.empty(0, np.float32)
     else:
-        slopes = _float32_values(alibi_slopes, "alibi_slopes")
+        with np.errstate(over="ignore"):  # a slope past float32's range becomes inf: refused below
+            slopes = _float32_values(alibi_slopes, "alibi_slopes")
         if slopes.shape != (num_q_heads,):
             raise ValueError(f"expected alibi_slopes of shape ({num_q_heads},), got {slopes.shape}")
+        bad = np.flatnonzero(~np.isfinite(slopes))  # a NaN slope would make every output NaN
+        if bad.size:
+            raise ValueError(f"expected finite alibi_slopes within float32's range, got "
+                             f"{slopes[bad[0]]} (as float32) at index {bad[0]}")
     return np.float32(scale), window, np.float32(cap), slopes
 
 
