@@ -217,9 +217,10 @@ class KVCacheManager:
         csr : bool
             Also build FlashInfer's CSR page tables.
         num_new_tokens : int or int array [num_seqs], optional
-            Also build the slot_mapping of each sequence's last ``num_new_tokens`` tokens.
+            Also build the slot_mapping of each sequence's last ``num_new_tokens`` tokens; the
+            ids must then be distinct (a repeated one would write its slots twice).
         """
-        rows = self._rows_of(id_list(seq_ids))
+        rows = self._rows_of(id_list(seq_ids, distinct=num_new_tokens is not None))
         if not isinstance(csr, (bool, np.bool_)):
             raise ValueError(f"expected csr a bool, got {csr!r:.80}")
         lens = self.seq_lens[rows]

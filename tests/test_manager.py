@@ -270,6 +270,7 @@ def busy():
     (lambda m: m.batch(["a"], num_new_tokens=[1, 1]), ValueError, r"got \[1, 1\] for lengths \[6\]"),
     (lambda m: m.batch(["a"], num_new_tokens=1.0), ValueError, "got 1.0"),
     (lambda m: m.batch(["a"], num_new_tokens=True), ValueError, "got True"),
+    (lambda m: m.batch(["a", "a"], num_new_tokens=1), ValueError, "expected distinct seq_ids, got a repeated id"),
     (lambda m: m.batch(None), TypeError, "expected seq_ids a list of sequence ids, got None"),
     (lambda m: m.batch("ab"), TypeError, "expected seq_ids a list of sequence ids, got 'ab'"),
     (lambda m: m.batch(["a"], csr=np.array([1, 2])), ValueError, r"expected csr a bool, got array\(\[1, 2\]\)"),
@@ -433,3 +434,10 @@ def test_kv_cache_refuses_mismatched_storage(storage, error, message):
     spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32")
     with pytest.raises(error, match=message):
         KVCache(spec, 3, storage=storage)
+
+
+def test_batch_repeats_an_id_for_reading_only(busy):
+    """Attention may read one sequence twice (its rows repeat); only slots to write must be distinct."""
+    batch = busy.batch(["a", "b", "a"])
+    np.testing.assert_array_equal(batch.block_table[0], batch.block_table[2])
+    np.testing.assert_array_equal(batch.seq_lens, [6, 6, 6])
