@@ -471,18 +471,12 @@ def _visits(k_cache, v_cache, block_table, seq, first, last, page_end, chunk_pag
 
 @njit(inline="always", **JIT)
 def _ahead(visits, num_visits, i, distances):
-    """The addresses to prefetch at visit i, distances[0] and distances[1] visits ahead (0: none)."""
-    far, near = i + distances[0], i + distances[1]
+    """The addresses to prefetch at visit i, distances[0] and distances[1] visits ahead, and to
+    prime (:func:`pagekv.kernels.prefetch.prime_pages`) distances[2] ahead (0: none)."""
+    far, near, primed = i + distances[0], i + distances[1], i + distances[2]
     return (visits[far] if distances[0] > 0 and far < num_visits else 0,
-            visits[near] if distances[1] > 0 and near < num_visits else 0)
-
-
-@njit(inline="always", **JIT)
-def _prime(visits, num_visits, i, distance, block_bytes):
-    """Prime the 4 KiB pages (:func:`pagekv.kernels.prefetch.prime_pages`) of the block
-    ``distance`` visits after visit i; none if distance is 0 or the visits end first."""
-    if distance > 0 and i + distance < num_visits:
-        prime_pages(visits[i + distance], block_bytes)
+            visits[near] if distances[1] > 0 and near < num_visits else 0,
+            visits[primed] if distances[2] > 0 and primed < num_visits else 0)
 
 
 @njit(parallel=True, **JIT)
@@ -523,7 +517,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     # block's 4 KiB pages are primed half again as far ahead as its lines are requested. Intel
     # Xeon, processes taking turns (11-21 rounds), random pages, new / old time: S1 0.974, S2
     # 0.970, G7 0.979, G8 0.984; consecutive pages 0.99-1.02. S1 at 2x 0.98, at 3x-4x 0.99-1.01.
-    prime = prefetch_blocks[0] + prefetch_blocks[0] // 2
+    distances = (prefetch_blocks[0], prefetch_blocks[1], prefetch_blocks[0] + prefetch_blocks[0] // 2)
     block_bytes = k_cache.strides[1]
     # The plain softmax (no soft cap, no ALiBi) runs down the score tiles' columns
     # (:func:`_columns_softmax`) where query row q's probabilities go to A rows 2q and 2q + 1: every
@@ -567,9 +561,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                 for head in range(num_kv_heads):
                     queries = q_t.ctypes.data + head * q_t.strides[0]
                     for p in range(first, last):
-                        ahead, again = _ahead(visits, num_visits, head * (last - first) + p - first,
-                                              prefetch_blocks)
-                        _prime(visits, num_visits, head * (last - first) + p - first, prime, block_bytes)
+                        ahead, again, primed = _ahead(visits, num_visits, head * (last - first) + p - first,
+                                                      distances)
+                        prime_pages(primed, block_bytes)
                         keys = block_address(k_cache, block_table[seq, p], head)
                         for t0 in range(0, min(page_size, seq_len - p * page_size), ROWS):
                             col = (p - first) * page_size + t0
@@ -608,11 +602,10 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
                         tiles = sums.ctypes.data + head * sums.strides[0] + c0 * num_sets * sums.strides[1]
                         _amx.load_sums(tiles, sums.strides[1], ROW_BYTES, n * num_sets)
                         for p in range(first, last):
-                            ahead, again = _ahead(visits, num_visits, span + head * (last - first) + p - first,
-                                                  prefetch_blocks)
+                            ahead, again, primed = _ahead(visits, num_visits,
+                                                          span + head * (last - first) + p - first, distances)
                             if c0 == 0:  # a block read in several passes is primed once
-                                _prime(visits, num_visits, span + head * (last - first) + p - first, prime,
-                                       block_bytes)
+                                prime_pages(primed, block_bytes)
                             values = block_address(v_cache, block_table[seq, p], head)
                             num_tokens = min(page_size, seq_len - p * page_size)
                             for t0 in range(0, num_tokens, ROWS):

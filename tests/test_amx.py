@@ -270,8 +270,8 @@ def test_decode_applies_where_it_measured_faster():
 @pytest.mark.parametrize("num_heads, page_end, chunk_pages", [(8, 40, 16), (1, 5, 2), (3, 7, 3)])
 def test_decode_prefetches_in_its_own_visit_order(num_heads, page_end, chunk_pages):
     """_visits lists a chunk's K blocks head by head, its V blocks alike, the next chunk's K
-    blocks (a Python list is the reference); _ahead takes the entries `distance` visits on, and
-    none past the list or at distance 0."""
+    blocks (a Python list is the reference); _ahead takes the entries each of its three distances
+    (far, near, primed) visits on, and none past the list or at distance 0."""
     table = np.random.default_rng(3).permutation(page_end + 2).astype(np.int32)[None, :page_end]
     k = np.zeros((page_end + 2, num_heads, 16, 32), np.uint16)
     v = np.zeros_like(k)
@@ -287,6 +287,6 @@ def test_decode_prefetches_in_its_own_visit_order(num_heads, page_end, chunk_pag
                     + blocks(k, last, min(last + chunk_pages, page_end)))
         assert out[:n].tolist() == expected
         for i in range(n):
-            for far, near in ((0, 0), (1, 0), (2, 1), (n, 3)):
-                got = amx_attention._ahead(out, n, i, (far, near))
-                assert got == tuple(expected[i + d] if 0 < d and i + d < n else 0 for d in (far, near))
+            for distances in ((0, 0, 0), (1, 0, 2), (2, 1, 3), (n, 3, n - 1)):
+                got = amx_attention._ahead(out, n, i, distances)
+                assert got == tuple(expected[i + d] if 0 < d and i + d < n else 0 for d in distances)
