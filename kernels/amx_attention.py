@@ -516,7 +516,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, items, slot_indptr, scale
     # Every visit jumps (head by head, a head's blocks are a page apart on any layout), so each
     # block's 4 KiB pages are primed half again as far ahead as its lines are requested. Intel
     # Xeon, processes taking turns (11-21 rounds), random pages, new / old time: S1 0.974, S2
-    # 0.970, G7 0.979, G8 0.984; consecutive pages 0.99-1.02. S1 at 2x 0.98, at 3x-4x 0.99-1.01.
+    # 0.970, G7 0.979, G8 0.984; consecutive pages 0.99-1.02. S1 at 2x 0.98, 3x-4x 0.99-1.01 (6 rounds).
     distances = (prefetch_blocks[0], prefetch_blocks[1], prefetch_blocks[0] + prefetch_blocks[0] // 2)
     block_bytes = k_cache.strides[1]
     # The plain softmax (no soft cap, no ALiBi) runs down the score tiles' columns
