@@ -19,9 +19,8 @@ import time
 
 import numpy as np
 
+from ab_installs import RESIDENT_BYTES
 from attention_cases import KINDS, SHAPES, pagekv_decode, problem, streaming_read
-
-RESIDENT_BYTES = 512 * 1024  # as ab_installs.py's and prefetch_study.py's "from cache"
 
 
 def grouped(shape, group):
