@@ -27,6 +27,7 @@ def test_the_table_has_a_row_per_kind_and_group(capsys):
             or line.startswith("| bfloat16 |")]
     assert [row.split("|")[1:3] for row in rows] == [
         [" float32 ", " 1 "], [" float32 ", " 2 "], [" bfloat16 ", " 1 "], [" bfloat16 ", " 2 "]]
-    for row in rows:
-        cells = row.split("|")[3:7]
-        assert float(cells[0]) > 0 and all(0 < float(c.strip(" %")) for c in cells[1:])
+    for row in rows:  # numbers only (the tiny shape's shares are per-call overheads, near 0)
+        cached, random, consecutive, no_overlap = (float(c.strip(" %")) for c in row.split("|")[3:7])
+        assert cached >= 0 and random >= 0 and consecutive >= 0
+        assert no_overlap == pytest.approx(100 * no_overlap_share(cached), abs=1.01)
