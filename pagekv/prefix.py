@@ -11,14 +11,15 @@ from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["ROOT_KEY", "page_key", "chain_keys", "PrefixCache"]
+__all__ = ["ROOT_KEY", "KEY_BYTES", "page_key", "chain_keys", "PrefixCache"]
 
 ROOT_KEY = b"pagekv-prefix-v1"  # parent of a sequence's first page; versioned in case keys change
+KEY_BYTES = 16  # a page key's length: its blake2b digest size
 
 
 def page_key(parent, token_bytes):
     """Key of a full page: 16-byte blake2b of its parent's key and its int32 little-endian token ids."""
-    return hashlib.blake2b(parent + token_bytes, digest_size=16).digest()
+    return hashlib.blake2b(parent + token_bytes, digest_size=KEY_BYTES).digest()
 
 
 def chain_keys(tokens, page_size, parent=ROOT_KEY):

@@ -192,7 +192,10 @@ class TieredKVCache:
 
     def _spill(self, keys, pages) -> None:
         """The manager's eviction hook: copy evicted prefix pages into the tier while they still hold
-        their KV; the oldest spilled pages make room, and what does not fit is dropped."""
+        their KV; the oldest spilled pages make room, and what does not fit is dropped. A key the
+        tier holds already (its prefix was recomputed while spilled) is not copied again."""
+        fresh = [i for i, key in enumerate(keys) if key not in self.tier.prefixes]
+        keys, pages = [keys[i] for i in fresh], np.asarray(pages)[fresh]
         room = self._tier_room()
         if not keys or not room:
             return

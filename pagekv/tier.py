@@ -27,7 +27,8 @@ import numpy as np
 
 from pagekv._alloc import PageAllocator
 from pagekv.cache import _STORAGE, check_fits_in_memory
-from pagekv.errors import PagekvError
+from pagekv.errors import PageStateError, PagekvError
+from pagekv.prefix import KEY_BYTES
 from pagekv.spec import KVCacheSpec, pool_shape
 
 __all__ = ["OffloadTier", "TierFileError"]
@@ -37,7 +38,7 @@ VERSION = 1
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIIIIIQQQI")  # magic .. map CRC; the header CRC follows it
 _DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-_MAP_ENTRY = np.dtype([("key", "S16"), ("crc", "<u4"), ("pad", "<u4"), ("stamp", "<u8")])
+_MAP_ENTRY = np.dtype([("key", f"S{KEY_BYTES}"), ("crc", "<u4"), ("pad", "<u4"), ("stamp", "<u8")])
 
 
 class TierFileError(PagekvError, ValueError):
@@ -168,16 +169,32 @@ class OffloadTier:
 
     # ------------------------------------------------------------------ spilled prefixes
     def keep_prefix(self, key: bytes, page: int) -> None:
-        """Record that tier ``page`` (allocated by the caller) holds the prefix page ``key``."""
-        self.prefixes[key] = page
-        self.prefixes.move_to_end(key)
+        """Record that tier ``page`` holds the prefix page ``key`` (a 16-byte ``prefix.page_key``),
+        most recently used. The caller allocated the page and hands its reference to the tier; a
+        page already kept under ``key`` is released (a key names the same tokens, so the same KV).
+
+        Raises InvalidPageError for a page outside the tier, PageStateError for a free one, and
+        ValueError for a key that is not 16 bytes; the tier is then unchanged.
+        """
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(f"expected a {KEY_BYTES}-byte prefix key (bytes), got {key!r:.80}")
+        if self.allocator.refcount([page])[0] == 0:  # refcount refuses ids outside the tier
+            raise PageStateError(f"expected a tier page the caller allocated, got free page {page}")
+        replaced = self.prefixes.pop(key, None)
+        self.prefixes[key] = int(page)
+        if replaced is not None:
+            self.allocator.decref([replaced])
 
     def take_prefix(self, key: bytes) -> int:
         """Forget ``key`` and return its page; the caller now owns the page's reference."""
+        if key not in self.prefixes:
+            raise KeyError(f"expected the key of a spilled prefix page, got {key!r:.80}")
         return self.prefixes.pop(key)
 
     def evict_prefixes(self, count: int) -> int:
         """Free up to ``count`` least recently used spilled pages; returns how many were freed."""
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"expected count an integer >= 0, got {count!r}")
         victims = [self.prefixes.popitem(last=False)[1] for _ in range(min(count, len(self.prefixes)))]
         if victims:
             self.allocator.decref(victims)
@@ -234,7 +251,7 @@ class OffloadTier:
             if self._page_crc(int(page)) != entry["crc"]:
                 self.dropped_on_open += 1
                 continue
-            self.prefixes[bytes(entry["key"]).ljust(16, b"\0")] = int(page)
+            self.prefixes[bytes(entry["key"]).ljust(KEY_BYTES, b"\0")] = int(page)
             keep.append(int(page))
         release = np.setdiff1d(held, np.array(keep, np.int32)).astype(np.int32)
         if len(release):

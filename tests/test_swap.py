@@ -9,7 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from pagekv import KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError
+from pagekv import (
+    InvalidPageError, KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, PageStateError,
+    UnknownSequenceError)
 from pagekv.swap import TieredKVCache
 from pagekv.tier import OffloadTier, TierFileError
 from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
@@ -152,6 +154,70 @@ def test_evicted_prefix_pages_spill_to_the_tier_and_come_back():
     np.testing.assert_array_equal(kv_of(t, "again")[:, :, :3], kv[:, :, :3])
     assert not t.tier.prefixes and t.tier.allocator.num_free == 8  # moved back, tier pages freed
     m.check()
+
+
+def test_a_prefix_spilled_again_keeps_one_tier_page():
+    """A prefix recomputed in the hot cache while its pages sat in the tier, then evicted again:
+    the tier keeps its one copy. (Each such spill used to overwrite the key's entry and leak the
+    tier page it had named, for good.)"""
+    rng = np.random.default_rng(3)
+    t = tiered(hot_pages=8, tier_pages=32)
+    m = t.manager
+    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
+    m.add_sequence("p", prompt)
+    kv = fill(t, "p", rng)
+    m.free("p")
+    m.add_sequence("filler", list(range(300, 332)))     # spills p's 3 full pages
+    spilled = dict(t.tier.prefixes)
+    assert len(spilled) == 3
+    m.free("filler")
+    m.add_sequence("again", prompt)                     # recomputed hot: not through the tier
+    m.free("again")
+    m.add_sequence("filler2", list(range(400, 432)))    # evicts the recomputed pages too
+    assert t.tier.allocator.num_used == len(t.tier.prefixes)
+    assert all(t.tier.prefixes[key] == page for key, page in spilled.items())  # the first copies
+    m.free("filler2")
+    m.clear_prefix_cache()
+    assert t.add_sequence("back", prompt) == 12
+    np.testing.assert_array_equal(kv_of(t, "back")[:, :, :3], kv[:, :, :3])
+    assert t.tier.allocator.num_used == len(t.tier.prefixes)
+    m.check()
+    t.tier.allocator.check()
+
+
+def test_tier_prefix_calls_refuse_bad_input_and_change_nothing():
+    tier = OffloadTier(KVCacheSpec(dtype="float32", **SPEC), 4)
+    first, second = (int(page) for page in tier.allocator.allocate(2))
+    free = int(tier.allocator.free_pages()[0])
+    key = bytes(range(16))
+    tier.keep_prefix(key, first)
+
+    def state():
+        return dict(tier.prefixes), tier.allocator.free_pages().tolist()
+
+    before = state()
+    for bad_key, bad_page, error, match in [
+            (b"short", second, ValueError, "expected a 16-byte prefix key"),
+            (key + b"!", second, ValueError, "expected a 16-byte prefix key"),
+            ("0123456789abcdef", second, ValueError, "expected a 16-byte prefix key"),
+            (key, 4, InvalidPageError, r"expected page ids in \[0, 4\), got 4"),
+            (key, -1, InvalidPageError, r"expected page ids in \[0, 4\), got -1"),
+            (key, free, PageStateError, f"expected a tier page the caller allocated, got free page {free}"),
+            (key, 1.5, TypeError, "expected an integer dtype")]:
+        with pytest.raises(error, match=match):
+            tier.keep_prefix(bad_key, bad_page)
+        assert state() == before
+    for bad in (-1, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match="expected count an integer >= 0"):
+            tier.evict_prefixes(bad)
+        assert state() == before
+    with pytest.raises(KeyError, match="expected the key of a spilled prefix page"):
+        tier.take_prefix(bytes(16))
+    assert state() == before
+    tier.keep_prefix(key, second)  # the same prefix again: the page it named goes back to the tier
+    assert tier.prefixes == {key: second} and tier.allocator.is_free([first]).tolist() == [True]
+    assert tier.evict_prefixes(5) == 1 and tier.allocator.num_free == 4
+    tier.allocator.check()
 
 
 def test_tier_file_survives_a_restart(tmp_path):
