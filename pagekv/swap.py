@@ -84,12 +84,16 @@ class TieredKVCache:
         UnknownSequenceError
             An id the manager does not hold (a swapped or unknown one).
         ValueError
-            A repeated id, or a sequence whose prefetch is still running.
+            A repeated id, an id swapped out already (a sequence added under it through the
+            manager), or a sequence whose prefetch is still running.
         OutOfPagesError
             The tier has too few free pages even after dropping spilled prefixes; nothing changed.
         """
         seq_ids = id_list(seq_ids, distinct=True)
         tables = [self.manager.page_table(seq_id) for seq_id in seq_ids]  # raises on unknown ids
+        twice = [s for s in seq_ids if s in self._swapped]  # added to the manager under a swapped id
+        if twice:
+            raise ValueError(f"expected sequences not swapped out already, got {twice[0]!r}")
         busy = [s for s in seq_ids if s in self._inflight]
         if busy:
             raise ValueError(f"expected sequences at rest, got {busy[0]!r} with a prefetch running: wait() first")
@@ -170,18 +174,30 @@ class TieredKVCache:
     def add_sequence(self, seq_id, token_ids) -> int:
         """``manager.add_sequence``, after bringing back from the tier the prefix pages it would hit.
 
-        Returns the prompt's cached tokens, as ``add_sequence`` does.
+        Returns the prompt's cached tokens, as ``add_sequence`` does. Pages come back from the tier
+        only for a call that will succeed (a new id, tokens the manager takes, room for the whole
+        prompt: ``manager.can_add``), so a refused call changes nothing.
+
+        Raises
+        ------
+        ValueError
+            A ``seq_id`` that is swapped out, and what ``manager.add_sequence`` raises.
         """
         manager = self.manager
-        if manager.prefix is not None and self.tier.prefixes:
-            keys = chain_keys(np.asarray(token_ids), manager.page_size)
+        if hashable_id(seq_id) in self._swapped:
+            raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is swapped out")
+        if (manager.prefix is not None and self.tier.prefixes and seq_id not in manager
+                and manager.can_add(token_ids)):
+            tokens = np.asarray(token_ids)
+            # the pages add_sequence can hit: not one holding the last token, which it computes
+            keys = chain_keys(tokens, manager.page_size)[:(len(tokens) - 1) // manager.page_size]
             hot = manager.prefix.lookup(keys)
             run = []
             for key in keys[len(hot):]:
                 if key not in self.tier.prefixes:
                     break
                 run.append(key)
-            if run and len(run) <= manager.pages_obtainable(keep=hot):
+            if run:  # can_add found room for the whole prompt, so for these pages too
                 cold = np.array([self.tier.take_prefix(key) for key in run], np.int32)  # pinned
                 pages = manager.restore_cached(run, keep=hot)
                 _threads.start()

@@ -12,6 +12,7 @@ import pytest
 from pagekv import (
     InvalidPageError, KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, PageStateError,
     UnknownSequenceError)
+from pagekv.prefix import chain_keys
 from pagekv.swap import TieredKVCache
 from pagekv.tier import OffloadTier, TierFileError
 from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
@@ -183,6 +184,69 @@ def test_a_prefix_spilled_again_keeps_one_tier_page():
     assert t.tier.allocator.num_used == len(t.tier.prefixes)
     m.check()
     t.tier.allocator.check()
+
+
+def _with_spilled_prompt(prompt, *, hot_pages=8):
+    """A tiered cache whose tier holds ``prompt``'s full pages (spilled), and one live sequence."""
+    t = tiered(hot_pages=hot_pages, tier_pages=32)
+    m = t.manager
+    m.add_sequence("p", prompt)
+    kv = fill(t, "p", np.random.default_rng(4))
+    m.free("p")
+    m.add_sequence("filler", list(range(300, 300 + 4 * hot_pages)))  # evicts (spills) them all
+    m.free("filler")
+    m.add_sequence("live", [1, 2, 3])
+    return t, kv
+
+
+def test_a_refused_add_sequence_brings_nothing_back_from_the_tier():
+    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
+    t, kv = _with_spilled_prompt(prompt)
+    assert len(set(t.tier.prefixes) & set(chain_keys(np.array(prompt), 4))) == 3
+    before = snapshot(t)
+    for seq_id, tokens, error, match in [
+            ("live", prompt, ValueError, "expected a new seq_id, got 'live', which is already held"),
+            (["a list"], prompt, TypeError, "expected a hashable seq_id"),
+            ("new", np.array(prompt, np.float64), TypeError, "expected integer token ids"),
+            ("new", prompt + [-5], ValueError, "expected token ids in"),
+            ("new", prompt * 3, ValueError, "expected at most 32 tokens")]:
+        with pytest.raises(error, match=match):
+            t.add_sequence(seq_id, tokens)
+        assert snapshot(t) == before
+    t.manager.add_sequence("hog", list(range(600, 620)))  # 5 pages: 2 left, the prompt needs 4
+    before = snapshot(t)
+    with pytest.raises(OutOfPagesError):
+        t.add_sequence("new", prompt)
+    assert snapshot(t) == before
+    t.free("hog")
+    assert t.add_sequence("new", prompt) == 12          # now it comes back
+    np.testing.assert_array_equal(kv_of(t, "new")[:, :, :3], kv[:, :, :3])
+    t.manager.check()
+
+
+def test_a_prompt_of_whole_pages_leaves_its_last_page_in_the_tier():
+    """add_sequence computes a prompt's last token, so the page holding it is not a hit: it is not
+    brought back (copied in, then recomputed over) either."""
+    prompt = list(range(12))                            # exactly 3 pages
+    t, kv = _with_spilled_prompt(prompt)
+    last = chain_keys(np.array(prompt), 4)[-1]
+    assert t.add_sequence("again", prompt) == 8
+    np.testing.assert_array_equal(kv_of(t, "again")[:, :, :2], kv[:, :, :2])
+    assert last in t.tier.prefixes and t.bytes_restored == 2 * t.cache.spec.bytes_per_page
+    t.manager.check()
+
+
+def test_a_swapped_out_id_is_not_taken_twice():
+    t = _with_one_swapped()
+    before = snapshot(t)
+    with pytest.raises(ValueError, match="expected a new seq_id, got 's', which is swapped out"):
+        t.add_sequence("s", np.arange(9))
+    assert snapshot(t) == before
+    t.manager.add_sequence("s", np.arange(9))  # the manager alone cannot know the id is swapped
+    before = snapshot(t)
+    with pytest.raises(ValueError, match="expected sequences not swapped out already, got 's'"):
+        t.swap_out(["s"])                       # would have dropped the swapped record's tier pages
+    assert snapshot(t) == before
 
 
 def test_tier_prefix_calls_refuse_bad_input_and_change_nothing():
