@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagekv._alloc import PageAllocator
-from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
-from pagekv.prefix import ROOT_KEY, PrefixCache, chain_keys, page_key
+from pagekv.errors import InvalidPageError, InvariantError, OutOfPagesError, UnknownSequenceError
+from pagekv.prefix import KEY_BYTES, ROOT_KEY, PrefixCache, chain_keys, page_key
 from pagekv.tables import csr_from_padded, slots_of_last_tokens
 
 __all__ = ["KVCacheManager", "ManagerStats", "Batch", "DetachedSequence"]
@@ -193,7 +193,7 @@ class KVCacheManager:
     def pages_obtainable(self, *, keep=()) -> int:
         """Pages an allocation could get now: free ones plus cached ones no sequence uses (those in
         ``keep`` excepted)."""
-        return self._obtainable(_page_set(keep))
+        return self._obtainable(_page_set(keep, self.allocator.num_pages))
 
     def stats(self) -> ManagerStats:
         """Occupancy and prefix-cache figures (see :class:`ManagerStats`)."""
@@ -459,7 +459,7 @@ class KVCacheManager:
         """
         if self.prefix is None:
             raise ValueError("expected a manager with prefix caching, got enable_prefix_caching=False")
-        keys, keep = _prefix_keys(keys), _page_set(keep)
+        keys, keep = _prefix_keys(keys), _page_set(keep, self.allocator.num_pages)
         cached = [key for key in keys if key in self.prefix.page_of]
         if cached or len(set(keys)) != len(keys):
             raise ValueError(f"expected distinct keys not cached yet, got {len(cached)} cached or repeated")
@@ -697,12 +697,16 @@ def _new_id(rows, seq_id, name) -> bool:
     return hashable_id(seq_id, name) in rows
 
 
-def _page_set(keep) -> set:
-    """``keep`` (page ids) as a set of ints."""
+def _page_set(keep, num_pages) -> set:
+    """``keep`` (page ids in [0, num_pages)) as a set of ints."""
     try:
-        return {int(page) for page in keep}
+        pages = {int(page) for page in keep}
     except (TypeError, ValueError):
         raise TypeError(f"expected keep an iterable of page ids, got {keep!r}") from None
+    outside = sorted(page for page in pages if not 0 <= page < num_pages)
+    if outside:
+        raise InvalidPageError(f"expected keep's page ids in [0, {num_pages}), got {outside[0]}")
+    return pages
 
 
 def _prefix_keys(keys) -> list:
@@ -710,6 +714,9 @@ def _prefix_keys(keys) -> list:
     keys = list(keys) if isinstance(keys, (list, tuple)) else keys
     if not isinstance(keys, list) or not all(isinstance(key, bytes) for key in keys):
         raise TypeError(f"expected keys a list of bytes prefix keys, got {keys!r:.80}")
+    short = [key for key in keys if len(key) != KEY_BYTES]
+    if short:
+        raise ValueError(f"expected {KEY_BYTES}-byte prefix keys, got {short[0]!r:.80}")
     return keys
 
 

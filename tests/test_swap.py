@@ -443,6 +443,13 @@ def test_manager_attach_and_restore_cached_refuse_bad_input_and_change_nothing()
         m.restore_cached(keys[:1])
     with pytest.raises(OutOfPagesError):
         m.restore_cached([bytes([i]) * 16 for i in range(8)])
+    with pytest.raises(ValueError, match="expected 16-byte prefix keys, got b'short'"):
+        m.restore_cached([bytes(16), b"short"])
+    for bad in (8, -1):
+        with pytest.raises(InvalidPageError, match=rf"expected keep's page ids in \[0, 8\), got {bad}"):
+            m.restore_cached([bytes(16)], keep=[0, bad])
+        with pytest.raises(InvalidPageError, match=rf"expected keep's page ids in \[0, 8\), got {bad}"):
+            m.pages_obtainable(keep=[bad])
     assert (m.stats(), m.allocator.free_pages().tolist(), dict(m.prefix.page_of)) == before
     assert m.attach("a", record).shape == (3,) and m.seq_len("a") == 9
     m.check()
