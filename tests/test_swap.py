@@ -157,35 +157,6 @@ def test_evicted_prefix_pages_spill_to_the_tier_and_come_back():
     m.check()
 
 
-def test_a_prefix_spilled_again_keeps_one_tier_page():
-    """A prefix recomputed in the hot cache while its pages sat in the tier, then evicted again:
-    the tier keeps its one copy. (Each such spill used to overwrite the key's entry and leak the
-    tier page it had named, for good.)"""
-    rng = np.random.default_rng(3)
-    t = tiered(hot_pages=8, tier_pages=32)
-    m = t.manager
-    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
-    m.add_sequence("p", prompt)
-    kv = fill(t, "p", rng)
-    m.free("p")
-    m.add_sequence("filler", list(range(300, 332)))     # spills p's 3 full pages
-    spilled = dict(t.tier.prefixes)
-    assert len(spilled) == 3
-    m.free("filler")
-    m.add_sequence("again", prompt)                     # recomputed hot: not through the tier
-    m.free("again")
-    m.add_sequence("filler2", list(range(400, 432)))    # evicts the recomputed pages too
-    assert t.tier.allocator.num_used == len(t.tier.prefixes)
-    assert all(t.tier.prefixes[key] == page for key, page in spilled.items())  # the first copies
-    m.free("filler2")
-    m.clear_prefix_cache()
-    assert t.add_sequence("back", prompt) == 12
-    np.testing.assert_array_equal(kv_of(t, "back")[:, :, :3], kv[:, :, :3])
-    assert t.tier.allocator.num_used == len(t.tier.prefixes)
-    m.check()
-    t.tier.allocator.check()
-
-
 def _with_spilled_prompt(prompt, *, hot_pages=8):
     """A tiered cache whose tier holds ``prompt``'s full pages (spilled), and one live sequence."""
     t = tiered(hot_pages=hot_pages, tier_pages=32)
@@ -197,6 +168,29 @@ def _with_spilled_prompt(prompt, *, hot_pages=8):
     m.free("filler")
     m.add_sequence("live", [1, 2, 3])
     return t, kv
+
+
+def test_a_prefix_spilled_again_keeps_one_tier_page():
+    """A prefix recomputed in the hot cache while its pages sat in the tier, then evicted again:
+    the tier keeps its one copy. (Each such spill used to overwrite the key's entry and leak the
+    tier page it had named, for good.)"""
+    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
+    t, kv = _with_spilled_prompt(prompt)
+    m = t.manager
+    keys = chain_keys(np.array(prompt), 4)
+    spilled = {key: t.tier.prefixes[key] for key in keys}
+    m.add_sequence("again", prompt)                     # recomputed hot: not through the tier
+    m.free("again")
+    m.add_sequence("filler2", list(range(400, 428)))    # 7 pages: evicts the recomputed ones too
+    assert t.tier.allocator.num_used == len(t.tier.prefixes)
+    assert all(t.tier.prefixes[key] == page for key, page in spilled.items())  # the first copies
+    m.free("filler2")
+    m.clear_prefix_cache()
+    assert t.add_sequence("back", prompt) == 12
+    np.testing.assert_array_equal(kv_of(t, "back")[:, :, :3], kv[:, :, :3])
+    assert t.tier.allocator.num_used == len(t.tier.prefixes)
+    m.check()
+    t.tier.allocator.check()
 
 
 def test_a_refused_add_sequence_brings_nothing_back_from_the_tier():
