@@ -423,19 +423,77 @@ class KVCacheManager:
         """
         if not isinstance(record, DetachedSequence):
             raise TypeError(f"expected a DetachedSequence from detach(), got {type(record).__name__}")
-        if _new_id(self._rows, seq_id, "seq_id"):
-            raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
-        num_pages = self._num_pages(record.num_tokens)
-        self._check_capacity(num_pages, record.num_tokens)
-        if not self._free_rows:
-            raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
-        fresh = self._take_pages(num_pages, keep=())
-        row = self._free_rows.pop()
-        self.block_table[row, :num_pages] = fresh
-        self.seq_lens[row] = record.num_tokens
-        self._last_key[row] = record.last_key
-        self._tail[row, :len(record.tail)] = record.tail
-        self._rows[seq_id] = row
+        pages = np.arange(self._num_pages(record.num_tokens), dtype=np.int64)
+        return self.attach_shared([seq_id], [record], [pages])
+
+    def attach_shared(self, seq_ids, records, page_indices) -> np.ndarray:
+        """Bring detached sequences back at once, on fresh pages they share as ``page_indices``
+        says (forks and parallel samples swapped out together come back sharing their pages
+        again), all-or-nothing.
+
+        Parameters
+        ----------
+        seq_ids : list
+            New, distinct ids.
+        records : list of DetachedSequence
+            From :meth:`detach`, one per id.
+        page_indices : list of int arrays
+            Per sequence, for each of its pages the index (0 .. U - 1) of the fresh page it takes:
+            sequences naming the same index share that page. Every index is named, none twice by
+            one sequence.
+
+        Returns
+        -------
+        int32 [U]
+            The fresh pages, by index: copy their KV in before a forward reads them. A page taken by
+            k sequences has k references, so the first write to a shared, partly filled last page
+            copies it (copy-on-write), as after :meth:`fork`. Not offered to the prefix cache.
+
+        Raises
+        ------
+        ValueError
+            An id held or repeated, too few free rows, a sequence too long for
+            ``max_pages_per_seq``, or page indices other than the above.
+        OutOfPagesError
+            Fewer than U pages even after evicting the prefix cache; nothing changed.
+        """
+        seq_ids = id_list(seq_ids, distinct=True)
+        records, page_indices = list(records), list(page_indices)
+        if not len(records) == len(page_indices) == len(seq_ids):
+            raise ValueError(f"expected one record and one page index array per seq_id ({len(seq_ids)}), "
+                             f"got {len(records)} and {len(page_indices)}")
+        for seq_id, record in zip(seq_ids, records):
+            if not isinstance(record, DetachedSequence):
+                raise TypeError(f"expected a DetachedSequence from detach(), got {type(record).__name__}")
+            if _new_id(self._rows, seq_id, "seq_id"):
+                raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
+        indices = []
+        for record, index in zip(records, page_indices):
+            num_pages = self._num_pages(record.num_tokens)
+            self._check_capacity(num_pages, record.num_tokens)
+            index = np.asarray(index)
+            if (index.shape != (num_pages,) or (num_pages and index.dtype.kind not in "iu")
+                    or len(np.unique(index)) != num_pages or (num_pages and index.min() < 0)):
+                raise ValueError(f"expected {num_pages} distinct page indices >= 0 for a sequence of "
+                                 f"{record.num_tokens} tokens, got {index!r:.80}")
+            indices.append(index.astype(np.int64))
+        uses = np.bincount(np.concatenate(indices)) if indices else np.zeros(0, np.int64)
+        if not uses.all():
+            raise ValueError(f"expected page indices 0 .. {len(uses) - 1} each named, got index "
+                             f"{int(np.argmin(uses))} unnamed")
+        if len(seq_ids) > len(self._free_rows):
+            raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got "
+                             f"{len(seq_ids) - len(self._free_rows)} more")
+        fresh = self._take_pages(len(uses), keep=())
+        if (uses > 1).any():
+            self.allocator.incref(np.repeat(fresh, uses - 1))
+        for seq_id, record, index in zip(seq_ids, records, indices):
+            row = self._free_rows.pop()
+            self.block_table[row, :len(index)] = fresh[index]
+            self.seq_lens[row] = record.num_tokens
+            self._last_key[row] = record.last_key
+            self._tail[row, :len(record.tail)] = record.tail
+            self._rows[seq_id] = row
         return fresh.copy()
 
     def restore_cached(self, keys, *, keep=()) -> np.ndarray:

@@ -25,10 +25,11 @@ __all__ = ["TieredKVCache"]
 
 
 class _Prefetch:
-    """One background copy tier -> hot, and the tier pages it frees when it is collected."""
+    """One background copy of tier pages to hot pages, and the tier references it gives back when
+    it is collected (one per sequence using a page: ``tier_references`` may repeat a page)."""
 
-    def __init__(self, src, dst, tier_pages, hot_pages):
-        self.tier_pages = tier_pages
+    def __init__(self, src, dst, tier_pages, hot_pages, tier_references):
+        self.tier_references = tier_references
         self.thread = threading.Thread(target=_cache_ops.copy_across_serial,
                                        args=(src, dst, tier_pages, hot_pages),
                                        name="pagekv-prefetch", daemon=True)
@@ -97,13 +98,20 @@ class TieredKVCache:
         busy = [s for s in seq_ids if s in self._inflight]
         if busy:
             raise ValueError(f"expected sequences at rest, got {busy[0]!r} with a prefetch running: wait() first")
-        hot = np.concatenate(tables) if tables else np.empty(0, np.int32)
+        # A page the sequences share (forks, parallel samples) goes to the tier once, and holds a
+        # tier reference per sequence: prefetching them together shares it again (attach_shared).
+        hot, use = np.unique(np.concatenate(tables) if tables else np.empty(0, np.int32),
+                             return_inverse=True)
+        use = use.reshape(-1)  # table entry i's index into hot
         cold = self._take_tier_pages(len(hot))
         _threads.start()
         _cache_ops.copy_across(self._hot, self._cold, hot, cold)
+        uses = np.bincount(use, minlength=len(hot))
+        if (uses > 1).any():
+            self.tier.allocator.incref(np.repeat(cold, uses - 1))
         start = 0
         for seq_id, table in zip(seq_ids, tables):
-            self._swapped[seq_id] = (self.manager.detach(seq_id), cold[start:start + len(table)])
+            self._swapped[seq_id] = (self.manager.detach(seq_id), cold[use[start:start + len(table)]])
             start += len(table)
         self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
 
@@ -127,14 +135,15 @@ class TieredKVCache:
             if seq_id not in self._swapped:
                 raise UnknownSequenceError(f"expected a swapped-out sequence id, got {seq_id!r}")
         records = [self._swapped[seq_id][0] for seq_id in seq_ids]
-        needed = sum(-(-r.num_tokens // self.manager.page_size) for r in records)
-        if len(seq_ids) > self.manager.free_rows:
-            raise ValueError(f"expected at most {self.manager.free_rows} sequences (free rows), got {len(seq_ids)}")
-        if needed > self.manager.pages_obtainable():
-            raise OutOfPagesError(needed, self.manager.pages_obtainable())
-        hot = [self.manager.attach(seq_id, record) for seq_id, record in zip(seq_ids, records)]
-        cold = np.concatenate([self._swapped.pop(seq_id)[1] for seq_id in seq_ids])
-        job = _Prefetch(self._cold, self._hot, cold, np.concatenate(hot))
+        colds = [self._swapped[seq_id][1] for seq_id in seq_ids]
+        # tier pages the sequences share (swapped out together) come back as one shared hot page
+        cold, use = np.unique(np.concatenate(colds), return_inverse=True)
+        bounds = np.cumsum([len(c) for c in colds])[:-1]
+        hot = self.manager.attach_shared(seq_ids, records, np.split(use.reshape(-1), bounds))
+        for seq_id in seq_ids:
+            del self._swapped[seq_id]
+        # the job gives back each sequence's tier references once the copy is done
+        job = _Prefetch(self._cold, self._hot, cold, hot, np.concatenate(colds))
         for seq_id in seq_ids:
             self._inflight[seq_id] = job
         self.bytes_swapped_in += len(cold) * self.cache.spec.bytes_per_page
@@ -241,8 +250,8 @@ class TieredKVCache:
         """A finished prefetch: its tier pages go back to the tier, its sequences are at rest."""
         for seq_id in [s for s, j in self._inflight.items() if j is job]:
             del self._inflight[seq_id]
-        if len(job.tier_pages):
-            self.tier.allocator.decref(job.tier_pages)
+        if len(job.tier_references):
+            self.tier.allocator.decref(job.tier_references)
 
 
 def _planes(data):

@@ -7,13 +7,21 @@ answer and on every page table up to a renaming of page ids, and the invariants 
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+from hypothesis.stateful import (
+    Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule)
 
 from pagekv import KVCacheManager
 from pagekv.errors import PagekvError
 from pagekv.reference.manager import ReferenceKVCacheManager
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=14)
+
+
+def shared_layout(tables):
+    """Each table's pages as indices of the distinct pages in order of first use: the sharing a
+    group's tables have, whatever the page ids."""
+    index = {}
+    return [[index.setdefault(int(page), len(index)) for page in table] for table in tables]
 
 
 def outcome(fn, *args):
@@ -40,6 +48,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.last_slots = None
         self.detached = []  # (seq_id, fast record, twin record) of detached sequences
+        self.groups = []  # (seq_ids, fast records, twin records, shared layout) detached together
 
     def both(self, name, *args):
         got = outcome(getattr(self.fast, name), *args)
@@ -110,6 +119,40 @@ class ManagerMachine(RuleBasedStateMachine):
             return -1
         del self.detached[index]
         return seq
+
+    @rule(data=st.data())
+    def detach_group(self, data):
+        """Swap-out of a group (forks, parallel samples): detached together, with the sharing of
+        their pages kept for attach_shared."""
+        live = sorted(self.twin.tables)
+        if not live:
+            return
+        first = data.draw(st.sampled_from(live))
+        pages = set(self.twin.tables[first])
+        sharers = [seq for seq in live if seq != first and pages & set(self.twin.tables[seq])]
+        others = sharers or [seq for seq in live if seq != first]
+        group = [first] + (data.draw(st.lists(st.sampled_from(others), max_size=2, unique=True))
+                           if others else [])
+        layout = shared_layout([self.fast.page_table(seq) for seq in group])
+        assert layout == shared_layout([self.twin.tables[seq] for seq in group])
+        fast = [self.fast.detach(seq) for seq in group]
+        twin = [self.twin.detach(seq) for seq in group]
+        self.groups.append((group, fast, twin, layout))
+
+    @rule(target=seqs, data=st.data())
+    def attach_group(self, data):
+        if not self.groups:
+            return multiple()
+        index = data.draw(st.integers(0, len(self.groups) - 1))
+        group, fast, twin, layout = self.groups[index]
+        got = outcome(self.fast.attach_shared, group, fast, layout)
+        expected = outcome(self.twin.attach_shared, group, twin, layout)
+        assert got[0] == expected[0], f"attach_shared({group}): fast {got} != twin {expected}"
+        if got[0] == "error":  # refused: nothing changed, the group stays for a later try
+            assert got == expected
+            return multiple()
+        del self.groups[index]
+        return multiple(*group)
 
     @rule()
     def clear(self):

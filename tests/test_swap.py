@@ -79,6 +79,36 @@ def test_swap_round_trip_keeps_every_byte_through_forks_and_prefix_hits(tmp_path
     m.check()
 
 
+def test_forks_swapped_together_share_their_pages_in_the_tier_and_back():
+    rng = np.random.default_rng(5)
+    t = tiered(hot_pages=32, tier_pages=32)
+    m = t.manager
+    m.add_sequence("a", list(range(30)))                # 8 pages, the last holding 2 tokens
+    expected = {"a": fill(t, "a", rng)}
+    for fork in ("b", "c"):
+        m.fork("a", fork)
+        expected[fork] = expected["a"]
+    hot_used = m.allocator.num_used
+    t.swap_out(["a", "b", "c"])
+    assert t.tier.allocator.num_used == 8               # each shared page once (was 24)
+    assert t.tier.allocator.refcount(t._swapped["a"][1]).tolist() == [3] * 8
+    t.cache.data[...] = np.nan
+    t.prefetch(["a", "b"])                              # together: they share again
+    t.wait()
+    assert m.allocator.num_used - m.stats().pages_cached == 8
+    assert m.page_table("a").tolist() == m.page_table("b").tolist()
+    t.prefetch(["c"])                                   # alone: a copy of its own
+    t.wait()
+    assert not set(m.page_table("c").tolist()) & set(m.page_table("a").tolist())
+    assert t.tier.allocator.num_free == t.tier.num_pages and hot_used == 8
+    for seq_id in ("a", "b", "c"):
+        np.testing.assert_array_equal(kv_of(t, seq_id), expected[seq_id])
+    m.append("a", [30])                                 # a's last page is b's too: copied first
+    src, dst = m.take_pending_copies()
+    assert src.tolist() == [m.page_table("b")[-1]] and dst.tolist() == [m.page_table("a")[-1]]
+    m.check()
+
+
 def test_swap_failures_change_nothing():
     t = tiered(hot_pages=12, tier_pages=3)
     m = t.manager

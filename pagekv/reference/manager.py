@@ -237,17 +237,31 @@ class ReferenceKVCacheManager:
 
     def attach(self, seq_id, record):
         tokens, _ = record
-        if seq_id in self.tables:
-            raise ValueError(f"expected a new seq_id, got {seq_id!r}")
-        num_pages = self._pages(len(tokens))
-        if num_pages > self.max_pages_per_seq:
-            raise ValueError("expected a sequence within max_pages_per_seq")
-        if len(self.tables) == self.max_seqs:
+        return self.attach_shared([seq_id], [record], [list(range(self._pages(len(tokens))))])
+
+    def attach_shared(self, seq_ids, records, page_indices):
+        if len(set(seq_ids)) != len(seq_ids) or any(seq_id in self.tables for seq_id in seq_ids):
+            raise ValueError(f"expected new, distinct seq_ids, got {seq_ids!r}")
+        named = []
+        for (tokens, _), index in zip(records, page_indices):
+            num_pages = self._pages(len(tokens))
+            if num_pages > self.max_pages_per_seq:
+                raise ValueError("expected a sequence within max_pages_per_seq")
+            if len(index) != num_pages or len(set(index)) != num_pages or min(index, default=0) < 0:
+                raise ValueError("expected distinct page indices, one per page")
+            named += list(index)
+        if set(named) != set(range(len(set(named)))):
+            raise ValueError("expected every page index named")
+        if len(self.tables) + len(seq_ids) > self.max_seqs:
             raise ValueError("expected at most max_seqs sequences")
-        fresh = self._take(num_pages, set())
-        self.tables[seq_id] = fresh
-        self.tokens[seq_id] = list(tokens)
-        self.offered[seq_id] = len(tokens) // self.page_size  # its full pages are not offered again
+        fresh = self._take(len(set(named)), set())
+        extra = [page for i, page in enumerate(fresh) for _ in range(named.count(i) - 1)]
+        if extra:  # a page named by k sequences holds k references
+            self.allocator.incref(extra)
+        for seq_id, (tokens, _), index in zip(seq_ids, records, page_indices):
+            self.tables[seq_id] = [fresh[i] for i in index]
+            self.tokens[seq_id] = list(tokens)
+            self.offered[seq_id] = len(tokens) // self.page_size  # its full pages are not offered again
         return list(fresh)
 
     def clear_prefix_cache(self):
