@@ -458,7 +458,11 @@ class KVCacheManager:
             Fewer than U pages even after evicting the prefix cache; nothing changed.
         """
         seq_ids = id_list(seq_ids, distinct=True)
-        records, page_indices = list(records), list(page_indices)
+        try:
+            records, page_indices = list(records), list(page_indices)
+        except TypeError:
+            raise TypeError(f"expected records and page_indices lists, got {type(records).__name__} "
+                            f"and {type(page_indices).__name__}") from None
         if not len(records) == len(page_indices) == len(seq_ids):
             raise ValueError(f"expected one record and one page index array per seq_id ({len(seq_ids)}), "
                              f"got {len(records)} and {len(page_indices)}")

@@ -467,6 +467,17 @@ def test_manager_attach_and_restore_cached_refuse_bad_input_and_change_nothing()
         m.restore_cached(keys[:1])
     with pytest.raises(OutOfPagesError):
         m.restore_cached([bytes([i]) * 16 for i in range(8)])
+    for records, layout, error, match in [
+            (record, [[0, 1, 2]], TypeError, "expected records and page_indices lists"),
+            ([record], None, TypeError, "expected records and page_indices lists"),
+            ([record], [[0, 1, 2], [0]], ValueError, "expected one record and one page index array"),
+            ([record], [[0, 1]], ValueError, "expected 3 distinct page indices"),
+            ([record], [[0, 1, 1]], ValueError, "expected 3 distinct page indices"),
+            ([record], [[0, -1, 2]], ValueError, "expected 3 distinct page indices"),
+            ([record], [[0.0, 1.0, 2.0]], ValueError, "expected 3 distinct page indices"),
+            ([record], [[0, 1, 3]], ValueError, "expected page indices 0 .. 3 each named, got index 2")]:
+        with pytest.raises(error, match=match):
+            m.attach_shared(["a"], records, layout)
     with pytest.raises(ValueError, match="expected 16-byte prefix keys, got b'short'"):
         m.restore_cached([bytes(16), b"short"])
     for bad in (8, -1):
