@@ -100,19 +100,15 @@ class TieredKVCache:
             raise ValueError(f"expected sequences at rest, got {busy[0]!r} with a prefetch running: wait() first")
         # A page the sequences share (forks, parallel samples) goes to the tier once, and holds a
         # tier reference per sequence: prefetching them together shares it again (attach_shared).
-        hot, use = np.unique(np.concatenate(tables) if tables else np.empty(0, np.int32),
-                             return_inverse=True)
-        use = use.reshape(-1)  # table entry i's index into hot
+        hot, indices = _distinct_pages(tables)
         cold = self._take_tier_pages(len(hot))
         _threads.start()
         _cache_ops.copy_across(self._hot, self._cold, hot, cold)
-        uses = np.bincount(use, minlength=len(hot))
+        uses = np.bincount(np.concatenate(indices), minlength=len(hot))
         if (uses > 1).any():
             self.tier.allocator.incref(np.repeat(cold, uses - 1))
-        start = 0
-        for seq_id, table in zip(seq_ids, tables):
-            self._swapped[seq_id] = (self.manager.detach(seq_id), cold[use[start:start + len(table)]])
-            start += len(table)
+        for seq_id, index in zip(seq_ids, indices):
+            self._swapped[seq_id] = (self.manager.detach(seq_id), cold[index])
         self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
 
     def prefetch(self, seq_ids) -> None:
@@ -137,9 +133,8 @@ class TieredKVCache:
         records = [self._swapped[seq_id][0] for seq_id in seq_ids]
         colds = [self._swapped[seq_id][1] for seq_id in seq_ids]
         # tier pages the sequences share (swapped out together) come back as one shared hot page
-        cold, use = np.unique(np.concatenate(colds), return_inverse=True)
-        bounds = np.cumsum([len(c) for c in colds])[:-1]
-        hot = self.manager.attach_shared(seq_ids, records, np.split(use.reshape(-1), bounds))
+        cold, indices = _distinct_pages(colds)
+        hot = self.manager.attach_shared(seq_ids, records, indices)
         for seq_id in seq_ids:
             del self._swapped[seq_id]
         # the job gives back each sequence's tier references once the copy is done
@@ -252,6 +247,14 @@ class TieredKVCache:
             del self._inflight[seq_id]
         if len(job.tier_references):
             self.tier.allocator.decref(job.tier_references)
+
+
+def _distinct_pages(tables):
+    """The distinct pages of ``tables`` (int32 arrays), and per table each entry's index
+    into them (int64 arrays): the sharing between the tables, whatever the page ids."""
+    pages, index = np.unique(np.concatenate(tables) if tables else np.empty(0, np.int32),
+                             return_inverse=True)
+    return pages, np.split(index.reshape(-1), np.cumsum([len(t) for t in tables])[:-1])
 
 
 def _planes(data):
