@@ -91,6 +91,8 @@ class TieredKVCache:
             The tier has too few free pages even after dropping spilled prefixes; nothing changed.
         """
         seq_ids = id_list(seq_ids, distinct=True)
+        if not seq_ids:
+            return
         tables = [self.manager.page_table(seq_id) for seq_id in seq_ids]  # raises on unknown ids
         twice = [s for s in seq_ids if s in self._swapped]  # added to the manager under a swapped id
         if twice:
@@ -250,10 +252,9 @@ class TieredKVCache:
 
 
 def _distinct_pages(tables):
-    """The distinct pages of ``tables`` (int32 arrays), and per table each entry's index
+    """The distinct pages of ``tables`` (one or more int32 arrays), and per table each entry's index
     into them (int64 arrays): the sharing between the tables, whatever the page ids."""
-    pages, index = np.unique(np.concatenate(tables) if tables else np.empty(0, np.int32),
-                             return_inverse=True)
+    pages, index = np.unique(np.concatenate(tables), return_inverse=True)
     return pages, np.split(index.reshape(-1), np.cumsum([len(t) for t in tables])[:-1])
 
 
