@@ -441,3 +441,92 @@ def test_batch_repeats_an_id_for_reading_only(busy):
     batch = busy.batch(["a", "b", "a"])
     np.testing.assert_array_equal(batch.block_table[0], batch.block_table[2])
     np.testing.assert_array_equal(batch.seq_lens, [6, 6, 6])
+
+
+# ------------------------------------------------------------------- limits met exactly (mutation-found)
+def test_construction_at_the_int32_slot_limit():
+    """The last slot may be 2**31 - 1 exactly, not one more."""
+    m = KVCacheManager(num_pages=2**15, page_size=2**16, max_seqs=1, max_pages_per_seq=1)
+    assert m.allocator.num_pages * m.page_size - 1 == 2**31 - 1
+    with pytest.raises(ValueError, match="expected num_pages \\* page_size below 2\\*\\*31"):
+        KVCacheManager(num_pages=2**15 + 1, page_size=2**16, max_seqs=1, max_pages_per_seq=1)
+
+
+def test_token_ids_up_to_int32_max_are_taken_and_the_refusal_names_the_offender():
+    m = KVCacheManager(num_pages=4, page_size=2, max_seqs=2, max_pages_per_seq=2)
+    m.add_sequence("a", [0, 2**31 - 1])
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="got 2147483648"):
+        m.add_sequence("b", [0, 2**31])
+    with pytest.raises(ValueError, match="got -1"):
+        m.append("a", [-1, 2**31])
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_can_add_and_can_append_at_the_exact_limits(caching):
+    m = KVCacheManager(num_pages=5, page_size=2, max_seqs=2, max_pages_per_seq=3,
+                       enable_prefix_caching=caching)
+    assert m.can_add([1] * 6)            # max_pages_per_seq pages exactly
+    assert not m.can_add([1] * 7)        # one page more, with rows and pages to spare
+    m.add_sequence("a", [1, 2, 3])       # 2 pages: 3 free
+    assert m.can_append("a", 3)          # fills page 2 and needs exactly max_pages_per_seq
+    assert not m.can_append("a", 4)
+    m.add_sequence("b", [9])             # 1 page: 2 free
+    assert m.can_append("b", 5)          # 2 more pages: exactly what is free
+    assert not m.can_append("b", 6)
+    m.free("b")
+    assert m.can_add([7] * 6)            # 3 pages, exactly the free ones
+    m.add_sequence("c", [5, 6])          # 1 page: 2 free, no row left
+    assert not m.can_add([8])
+
+
+def test_a_growing_sequence_takes_the_page_after_its_last():
+    """append and append_tokens grow a one-page sequence onto the physical page after it, where a
+    request with no such hint starts far away (the allocator's runs)."""
+    m = KVCacheManager(num_pages=64, page_size=2, max_seqs=4, max_pages_per_seq=8,
+                       enable_prefix_caching=False)
+    m.add_sequence("a", [1, 2])
+    m.add_sequence("b", [3, 4])
+    a0, b0 = int(m.page_table("a")[0]), int(m.page_table("b")[0])
+    assert abs(a0 - b0) > 1
+    m.append("a", [5])
+    m.append_tokens(["b"], [6])
+    assert m.page_table("a").tolist() == [a0, a0 + 1]
+    assert m.page_table("b").tolist() == [b0, b0 + 1]
+
+
+def test_every_sharer_of_a_partial_page_appending_at_once_leaves_the_page_to_one():
+    """Three tables share a partly filled last page (refcount 3): one batch appending to all three
+    copies it twice, and the last holder keeps the original, which stays allocated."""
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=4,
+                       enable_prefix_caching=False)
+    m.add_sequence("a", [1, 2, 3])
+    m.fork("a", "b")
+    m.fork("a", "c")
+    page = int(m.page_table("a")[0])
+    m.append_tokens(["a", "b", "c"], [4, 5, 6])
+    src, dst = m.take_pending_copies()
+    assert src.tolist() == [page, page] and len(set(dst.tolist())) == 2
+    pages = sorted(int(m.page_table(s)[0]) for s in "abc")
+    assert page in pages and sorted(dst.tolist() + [page]) == pages
+    assert m.allocator.refcount([page]).tolist() == [1]
+    m.check()
+
+
+def test_a_sharers_copy_takes_the_page_after_the_page_before_it():
+    """Copy-on-write places the copy of a shared last page after the sharer's page before it, so
+    the copying sequence regains a run where it can."""
+    m = KVCacheManager(num_pages=64, page_size=2, max_seqs=4, max_pages_per_seq=8,
+                       enable_prefix_caching=False)
+    m.add_sequence("a", [1, 2])
+    first = int(m.page_table("a")[0])
+    blocker = m.allocator.allocate(1, after=first)  # someone else holds the page after a's
+    assert blocker.tolist() == [first + 1]
+    m.append("a", [3])                              # so a grows elsewhere
+    assert int(m.page_table("a")[1]) != first + 1
+    m.fork("a", "b")
+    m.allocator.decref(blocker)                     # the page after a's first is free again
+    m.append_tokens(["b"], [4])                     # b's shared last page is copied there
+    assert m.page_table("b").tolist() == [first, first + 1]
+    m.check()
