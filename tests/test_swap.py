@@ -305,6 +305,7 @@ def test_tier_prefix_calls_refuse_bad_input_and_change_nothing():
     with pytest.raises(KeyError, match="expected the key of a spilled prefix page"):
         tier.take_prefix(bytes(16))
     assert state() == before
+    assert tier.evict_prefixes(0) == 0 and state() == before  # nothing asked, nothing freed
     tier.keep_prefix(key, second)  # the same prefix again: the page it named goes back to the tier
     assert tier.prefixes == {key: second} and tier.allocator.is_free([first]).tolist() == [True]
     assert tier.evict_prefixes(5) == 1 and tier.allocator.num_free == 4
