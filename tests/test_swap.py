@@ -492,3 +492,15 @@ def test_manager_attach_and_restore_cached_refuse_bad_input_and_change_nothing()
     assert (m.stats(), m.allocator.free_pages().tolist(), dict(m.prefix.page_of)) == before
     assert m.attach("a", record).shape == (3,) and m.seq_len("a") == 9
     m.check()
+
+
+def test_freeing_a_sequence_being_prefetched_waits_for_it_and_leaves_nothing_behind():
+    t = _with_one_swapped()
+    hot_free = t.manager.allocator.num_free
+    t.prefetch(["s"])
+    t.free("s")                                    # while (or after) its pages come back
+    assert "s" not in t.manager and not t.is_swapped("s")
+    assert t.tier.allocator.num_free == t.tier.num_pages      # its tier pages went back
+    assert t.manager.allocator.num_free == hot_free           # and its hot pages
+    t.manager.check()
+    t.tier.allocator.check()
