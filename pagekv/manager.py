@@ -64,14 +64,13 @@ class Batch:
 class DetachedSequence:
     """What :meth:`KVCacheManager.attach` needs to bring a detached sequence back (no pages).
 
-    num_tokens : int; last_key : bytes, the prefix key of its last full page; tail : int32
-    [num_tokens % page_size], token ids of its partly filled last page (both continue its prefix
-    chain, so pages it fills after coming back are cached under the right keys).
+    num_tokens : int; token_ids : int32 [num_tokens], its tokens (empty when the manager does not
+    cache prefixes: it keeps no token ids then). They continue its prefix chain, so pages it fills
+    after coming back are cached under the right keys, and it can be truncated anywhere.
     """
 
     num_tokens: int
-    last_key: bytes
-    tail: np.ndarray
+    token_ids: np.ndarray
 
 
 class KVCacheManager:
@@ -135,8 +134,11 @@ class KVCacheManager:
         # Per-sequence state lives in rows, like the page tables, so a decode step is array work:
         self._rows: dict = {}                                   # seq_id -> row
         self._free_rows = list(range(max_seqs - 1, -1, -1))
-        self._last_key = [ROOT_KEY] * max_seqs                  # prefix key of the last full page
-        self._tail = np.zeros((max_seqs, page_size), np.int32)  # token ids of the partial last page
+        # With prefix caching, each row's token ids (columns grow as sequences do: memory follows
+        # the longest sequence, not max_pages_per_seq) and the prefix key of each of its full pages
+        # (a page that fills is keyed from the one before it; truncate resumes the chain anywhere).
+        self._token_ids = np.zeros((max_seqs, page_size), np.int32) if enable_prefix_caching else None
+        self._page_keys: list[list[bytes]] = [[] for _ in range(max_seqs)]
         self._pending: list[tuple[int, int]] = []
         # Called as on_evict(keys, pages) just before cached pages are evicted (their KV is still
         # there): a second tier can keep them (pagekv.swap.TieredKVCache sets it).
@@ -283,10 +285,8 @@ class KVCacheManager:
         self.block_table[row, len(hit):num_pages] = fresh
         self.seq_lens[row] = len(tokens)
         self._cache_pages(keys[len(hit):], self.block_table[row, len(hit):len(keys)])
-        full = len(keys) * self.page_size
-        self._last_key[row] = keys[-1] if keys else ROOT_KEY
         if self.prefix is not None:
-            self._tail[row, :len(tokens) - full] = tokens[full:]
+            self._record_tokens(row, tokens, keys)
         self._rows[seq_id] = row
         self._hit_tokens += len(hit) * self.page_size
         self._query_tokens += len(tokens)
@@ -318,7 +318,11 @@ class KVCacheManager:
             (positions % self.page_size).astype(np.int32)
         self.seq_lens[row] = length + len(tokens)
         if self.prefix is not None:
-            self._track_tokens(row, length, tokens)
+            self._reserve_tokens(length + len(tokens))
+            self._token_ids[row, length:length + len(tokens)] = tokens
+            filled = np.arange(length // self.page_size, (length + len(tokens)) // self.page_size)
+            if len(filled):
+                self._pages_filled(np.full(len(filled), row), filled)
         return slots.astype(np.int32)
 
     def append_tokens(self, seq_ids, token_ids) -> np.ndarray:
@@ -355,7 +359,8 @@ class KVCacheManager:
         slots = self.block_table[rows, lens // ps] * ps + (lens % ps).astype(np.int32)
         self.seq_lens[rows] += 1
         if self.prefix is not None:
-            self._tail[rows, lens % ps] = tokens
+            self._reserve_tokens(int(lens.max(initial=0)) + 1)
+            self._token_ids[rows, lens] = tokens
             filled = np.flatnonzero(lens % ps == ps - 1)  # sequences whose page this token filled
             if len(filled):
                 self._pages_filled(rows[filled], lens[filled] // ps)
@@ -374,23 +379,52 @@ class KVCacheManager:
         row = self._free_rows.pop()
         self.block_table[row, :len(pages)] = pages
         self.seq_lens[row] = length
-        self._last_key[row] = self._last_key[src]
-        self._tail[row] = self._tail[src]
+        if self.prefix is not None:
+            self._token_ids[row, :length] = self._token_ids[src, :length]
+            self._page_keys[row] = list(self._page_keys[src])
         self._rows[dst_id] = row
 
     def free(self, seq_id) -> None:
         """Release ``seq_id``'s pages; cached pages no sequence uses become evictable."""
         row = self._row(seq_id)
-        pages = self.block_table[row, :self._num_pages(self.seq_lens[row])][::-1].copy()
-        self.allocator.decref(pages)  # tail first: the LRU evicts a prefix's deep pages first
-        if self.prefix is not None and len(self.prefix):
-            counts = self.allocator.refcount(pages)
-            for page, count in zip(pages.tolist(), counts.tolist()):
-                if count == 1 and page in self.prefix.key_of:
-                    self.prefix.evictable[page] = None
+        self._release(self.block_table[row, :self._num_pages(self.seq_lens[row])])
         del self._rows[seq_id]
         self.seq_lens[row] = 0
+        self._page_keys[row] = []
         self._free_rows.append(row)
+
+    def truncate(self, seq_id, num_tokens) -> None:
+        """Keep the first ``num_tokens`` tokens of ``seq_id``; release the pages past them.
+
+        The rollback of speculative decoding (the drafts the target model rejected) or of any
+        tokens appended ahead. The kept tokens' KV stays where it is and the next append writes
+        after it. A kept, partly filled last page that someone else holds too (a fork, or the
+        prefix cache, which keeps a full page's tokens) is copied before that write, as any shared
+        page is; released pages that the prefix cache holds become evictable.
+
+        Parameters
+        ----------
+        seq_id : hashable
+        num_tokens : int
+            Tokens to keep, 1 .. ``seq_len(seq_id)`` (the whole length: nothing changes).
+
+        Raises
+        ------
+        UnknownSequenceError
+            ``seq_id`` is not held.
+        ValueError
+            ``num_tokens`` is not an integer in that range; nothing changed.
+        """
+        row = self._row(seq_id)
+        length = int(self.seq_lens[row])
+        if (isinstance(num_tokens, (bool, np.bool_)) or not isinstance(num_tokens, (int, np.integer))
+                or not 1 <= num_tokens <= length):
+            raise ValueError(f"expected num_tokens an integer in [1, {length}] (the tokens of "
+                             f"{seq_id!r} to keep), got {num_tokens!r:.80}")
+        num_tokens = int(num_tokens)
+        self._release(self.block_table[row, self._num_pages(num_tokens):self._num_pages(length)])
+        self.seq_lens[row] = num_tokens
+        del self._page_keys[row][num_tokens // self.page_size:]
 
     def detach(self, seq_id) -> DetachedSequence:
         """Release ``seq_id``'s pages like :meth:`free`, keeping what :meth:`attach` needs.
@@ -400,8 +434,8 @@ class KVCacheManager:
         """
         row = self._row(seq_id)
         length = int(self.seq_lens[row])
-        record = DetachedSequence(length, self._last_key[row],
-                                  self._tail[row, :length % self.page_size].copy())
+        tokens = self._token_ids[row, :length].copy() if self.prefix is not None else np.empty(0, np.int32)
+        record = DetachedSequence(length, tokens)
         self.free(seq_id)
         return record
 
@@ -469,6 +503,9 @@ class KVCacheManager:
         for seq_id, record in zip(seq_ids, records):
             if not isinstance(record, DetachedSequence):
                 raise TypeError(f"expected a DetachedSequence from detach(), got {type(record).__name__}")
+            if self.prefix is not None and len(record.token_ids) != record.num_tokens:
+                raise ValueError(f"expected a record holding its {record.num_tokens} token ids (detach() of "
+                                 f"a manager that caches prefixes), got {len(record.token_ids)}")
             if _new_id(self._rows, seq_id, "seq_id"):
                 raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
         indices = []
@@ -495,8 +532,8 @@ class KVCacheManager:
             row = self._free_rows.pop()
             self.block_table[row, :len(index)] = fresh[index]
             self.seq_lens[row] = record.num_tokens
-            self._last_key[row] = record.last_key
-            self._tail[row, :len(record.tail)] = record.tail
+            if self.prefix is not None:
+                self._record_tokens(row, record.token_ids, chain_keys(record.token_ids, self.page_size))
             self._rows[seq_id] = row
         return fresh.copy()
 
@@ -546,9 +583,15 @@ class KVCacheManager:
             np.add.at(expected, self.block_table[row, :self._num_pages(self.seq_lens[row])], 1)
         if self.prefix is not None:
             expected[list(self.prefix.key_of)] += 1
-            for page in self.prefix.evictable:
-                if expected[page] != 1:
-                    raise InvariantError(f"page {page} is evictable but has other holders")
+            unused = {page for page in self.prefix.key_of if expected[page] == 1}
+            if unused != self.prefix.evictable.keys():
+                page = min(unused ^ self.prefix.evictable.keys())
+                raise InvariantError(f"cached page {page} is {'not ' * (page in unused)}evictable "
+                                     f"with {expected[page] - 1} other holders")
+            for seq_id, row in self._rows.items():
+                if len(self._page_keys[row]) != self.seq_lens[row] // self.page_size:
+                    raise InvariantError(f"sequence {seq_id!r} has {len(self._page_keys[row])} page keys "
+                                         f"for {self.seq_lens[row] // self.page_size} full pages")
         actual = self.allocator.refcount(np.arange(self.allocator.num_pages))
         bad = np.flatnonzero(actual != expected)
         if len(bad):
@@ -680,6 +723,10 @@ class KVCacheManager:
         self.block_table[row, index] = dst
         self._pending.append((src, dst))
         self.allocator.decref_one(src)
+        # A truncated sequence can copy a full page the prefix cache holds; left to the cache alone,
+        # it is evictable (least recently released).
+        if self.prefix is not None and src in self.prefix.key_of and self.allocator.refcount([src])[0] == 1:
+            self.prefix.evictable[src] = None
 
     def _cache_pages(self, keys, pages):
         """Offer full pages to the prefix cache; the cache takes a reference on each it keeps."""
@@ -690,25 +737,44 @@ class KVCacheManager:
         if taken:
             self.allocator.incref(taken)
 
-    def _track_tokens(self, row, length, tokens):
-        """Record appended tokens in the row's tail; each page they fill enters the prefix cache."""
-        ps = self.page_size
-        for position in range(length, length + len(tokens), 1):
-            self._tail[row, position % ps] = tokens[position - length]
-            if position % ps == ps - 1:
-                self._pages_filled(np.array([row]), np.array([position // ps]))
+    def _reserve_tokens(self, num_tokens):
+        """Grow the token-id columns (doubling, up to max_pages_per_seq pages) to hold num_tokens."""
+        columns = self._token_ids.shape[1]
+        if num_tokens > columns:
+            limit = self.max_pages_per_seq * self.page_size
+            grown = np.zeros((len(self._token_ids), min(max(2 * columns, num_tokens), limit)), np.int32)
+            grown[:, :columns] = self._token_ids
+            self._token_ids = grown
+
+    def _record_tokens(self, row, tokens, keys):
+        """A new row's token ids and the prefix keys of its full pages."""
+        self._reserve_tokens(len(tokens))
+        self._token_ids[row, :len(tokens)] = tokens
+        self._page_keys[row] = list(keys)
 
     def _pages_filled(self, rows, indices):
-        """Page ``indices[i]`` of ``rows[i]`` just became full (its tokens are the row's tail):
-        key each page from its row's last key and offer them all to the prefix cache."""
-        tails = np.ascontiguousarray(self._tail[rows], dtype="<i4").tobytes()
-        step = 4 * self.page_size
+        """Page ``indices[i]`` of ``rows[i]`` just became full, in order (a row's pages ascending):
+        key each from the key of the page before it and its tokens, and offer them to the prefix cache."""
+        ps = self.page_size
         keys = []
-        for i, row in enumerate(rows.tolist()):
-            key = page_key(self._last_key[row], tails[i * step:(i + 1) * step])
-            self._last_key[row] = key
-            keys.append(key)
+        for row, index in zip(rows.tolist(), indices.tolist()):
+            chain = self._page_keys[row]
+            tokens = np.ascontiguousarray(self._token_ids[row, index * ps:(index + 1) * ps], dtype="<i4")
+            chain.append(page_key(chain[-1] if chain else ROOT_KEY, tokens.tobytes()))
+            keys.append(chain[-1])
         self._cache_pages(keys, self.block_table[rows, indices].tolist())
+
+    def _release(self, pages):
+        """Drop a table's reference on each of ``pages`` (int32 [n], a table's run), last page
+        first, so the LRU evicts a prefix's deep pages first; cached pages left to the cache alone
+        become evictable."""
+        pages = pages[::-1].copy()
+        self.allocator.decref(pages)
+        if self.prefix is not None and len(self.prefix):
+            counts = self.allocator.refcount(pages)
+            for page, count in zip(pages.tolist(), counts.tolist()):
+                if count == 1 and page in self.prefix.key_of:
+                    self.prefix.evictable[page] = None
 
 
 def id_list(seq_ids, *, distinct=False) -> list:

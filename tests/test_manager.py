@@ -67,6 +67,10 @@ class Engine:
         self.m.fork(src, dst)
         self.expected[dst] = list(self.expected[src])
 
+    def truncate(self, seq_id, num_tokens):
+        self.m.truncate(seq_id, num_tokens)
+        del self.expected[seq_id][num_tokens:]
+
     def verify(self):
         seq_ids = self.m.seq_ids()
         batch = self.m.batch(seq_ids)
@@ -262,6 +266,12 @@ def busy():
     (lambda m: m.add_sequence("c", list(range(17))), ValueError, "expected at most 16 tokens .* got 17"),
     (lambda m: m.append("a", list(range(11))), ValueError, "expected at most 16 tokens .* got 17"),
     (lambda m: m.append_tokens(["a", "a"], [1, 2]), ValueError, "distinct seq_ids"),
+    (lambda m: m.truncate("a", 0), ValueError,
+     r"expected num_tokens an integer in \[1, 6\] \(the tokens of 'a' to keep\), got 0"),
+    (lambda m: m.truncate("a", 7), ValueError, r"in \[1, 6\] .* got 7"),
+    (lambda m: m.truncate("a", 2.0), ValueError, "got 2.0"),
+    (lambda m: m.truncate("a", True), ValueError, "got True"),
+    (lambda m: m.truncate("zz", 1), UnknownSequenceError, "got 'zz'"),
     (lambda m: m.append_tokens(["a", "b"], [1]), ValueError, r"one token per sequence \(2\), got 1"),
     (lambda m: m.append_tokens(["a", "zz"], [1, 2]), UnknownSequenceError, "got 'zz'"),
     (lambda m: m.batch(["a"], num_new_tokens=7), ValueError,
@@ -304,6 +314,7 @@ def _manager_calls():
         "add_sequence": dict(seq_id="c", token_ids=tokens), "append": dict(seq_id="a", token_ids=tokens),
         "append_tokens": dict(seq_ids=["a", "b"], token_ids=np.array([7, 8], np.int32)),
         "fork": dict(src_id="a", dst_id="c"), "free": dict(seq_id="a"), "detach": dict(seq_id="a"),
+        "truncate": dict(seq_id="a", num_tokens=5),
         "restore_cached": dict(keys=[b"k" * 16], keep=[0]),
     }
 
@@ -529,4 +540,77 @@ def test_a_sharers_copy_takes_the_page_after_the_page_before_it():
     m.allocator.decref(blocker)                     # the page after a's first is free again
     m.append_tokens(["b"], [4])                     # b's shared last page is copied there
     assert m.page_table("b").tolist() == [first, first + 1]
+    m.check()
+
+
+# ---------------------------------------------------------------------------------- truncate
+@pytest.mark.parametrize("caching", [True, False])
+def test_speculative_drafts_rolled_back_leave_every_sequence_reading_its_own_tokens(caching):
+    """Drafts appended, then the rejected ones dropped with truncate, on shared and cached pages:
+    each sequence reads back exactly the tokens it kept and those appended after."""
+    e = Engine(num_pages=40, page_size=4, max_seqs=8, max_pages_per_seq=16, enable_prefix_caching=caching)
+    system = list(range(100, 110))           # 2 full pages + 2
+    e.add("a", system + [1])
+    e.fork("a", "b")                         # shares every page, the partial third too
+    e.append("a", [2, 3, 4, 5, 6])           # drafts across a page boundary (copy of the shared page)
+    e.truncate("a", 13)                      # 2 of them accepted: back inside the third page
+    e.append("a", [7, 8])
+    e.truncate("b", 6)                       # into b's second page, full and shared with a
+    e.decode(["a", "b"], [9, 10])            # b writes to a copy, never into a's page
+    e.truncate("a", 8)                       # exactly two full pages: the next token starts a page
+    e.decode(["a", "b"], [11, 12])
+    e.verify()
+    assert [e.m.seq_len(s) for s in "ab"] == [9, 8]
+    if caching:  # every full page is cached under the keys of the tokens it holds now
+        for values in e.expected.values():
+            assert set(chain_keys([int(v) for v in values], 4)) <= e.m.prefix.page_of.keys()
+    for seq_id in e.m.seq_ids():
+        e.m.free(seq_id)
+    e.m.clear_prefix_cache()
+    assert e.m.allocator.num_free == 40
+
+
+def test_truncate_into_a_cached_page_copies_it_on_the_next_write_and_leaves_it_evictable():
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", [1, 2, 3, 4, 5, 6])          # page 0 full and cached, page 1 partial
+    m.truncate("a", 2)
+    assert m.page_table("a").tolist() == [0] and m.allocator.num_free == 15
+    assert m.allocator.refcount([0]).tolist() == [2]  # a's table and the cache
+    assert m.append("a", [9]).tolist() == [1 * 4 + 2]  # onto a copy, on the page after it
+    src, dst = m.take_pending_copies()
+    assert (src.tolist(), dst.tolist()) == ([0], [1])
+    assert list(m.prefix.evictable) == [0]            # the cache's alone now
+    m.check()
+    assert m.add_sequence("b", [1, 2, 3, 4, 7]) == 4  # and still a hit for its prefix
+    assert m.page_table("b")[0] == 0
+
+
+def test_pages_filled_after_a_rollback_are_cached_under_their_own_tokens():
+    """A page rolled back and refilled with other tokens is cached under the keys of what it holds,
+    also for a sequence detached and attached in between; the rolled-back tokens' keys are not."""
+    m = KVCacheManager(num_pages=32, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", [1, 2, 3, 4, 5, 6])
+    m.append("a", [7, 8, 9])                          # fills page 1 with 5 6 7 8
+    m.truncate("a", 5)
+    record = m.detach("a")
+    m.attach("a", record)
+    m.append("a", [60, 70, 80, 90])                   # page 1 now holds 5 60 70 80
+    tokens = [1, 2, 3, 4, 5, 60, 70, 80, 90]
+    assert set(chain_keys(tokens, 4)) <= m.prefix.page_of.keys()
+    assert chain_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)[1] in m.prefix.page_of  # cached when it was full
+    m.free("a")
+    assert m.add_sequence("b", tokens) == 8
+    m.check()
+
+
+def test_truncate_releases_pages_last_first_and_to_the_full_length_changes_nothing():
+    m = KVCacheManager(num_pages=16, page_size=2, max_seqs=2, max_pages_per_seq=8)
+    m.add_sequence("a", [1, 2, 3, 4, 5, 6, 7])
+    before = snapshot(m)
+    m.truncate("a", 7)
+    assert snapshot(m) == before
+    m.truncate("a", 3)
+    assert m.page_table("a").tolist() == [0, 1] and m.seq_len("a") == 3
+    assert list(m.prefix.evictable) == [2]            # page 2 (tokens 5 6) is full and cached
+    assert m.allocator.is_free([3]).tolist() == [True] and m.allocator.num_free == 13
     m.check()

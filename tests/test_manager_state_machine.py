@@ -82,6 +82,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.both("append_tokens", chosen, data.draw(st.lists(st.integers(0, 3), min_size=len(chosen),
                                                                max_size=len(chosen))))
 
+    @rule(seq=seqs, data=st.data())
+    def truncate(self, seq, data):
+        """Roll back to a prefix (speculative decoding's rejected drafts); 0 and past the end are refused."""
+        length = self.twin.seq_len(seq) if seq in self.twin.tables else 2
+        self.both("truncate", seq, data.draw(st.integers(0, length + 1)))
+
     @rule(target=seqs, src=seqs)
     def fork(self, src):
         dst = self.next_id

@@ -122,6 +122,8 @@ class ReferenceKVCacheManager:
         table[-1] = dst
         self.pending.append((src, dst))
         self.allocator.decref([src])
+        if src in self.key_of and self.allocator.refcount([src])[0] == 1:
+            self.lru.append(src)  # a truncated sequence copied a cached page: now the cache's alone
 
     # ------------------------------------------------------------------ the contract
     def add_sequence(self, seq_id, token_ids):
@@ -220,14 +222,26 @@ class ReferenceKVCacheManager:
         self.tokens[dst_id] = list(self.tokens[src_id])
         self.offered[dst_id] = self.offered[src_id]
 
-    def free(self, seq_id):
-        table = self._seq(seq_id)
-        released = table[::-1]
-        self.allocator.decref(released)
+    def _release(self, released):
+        if released:
+            self.allocator.decref(released)
         for page in released:
             if page in self.key_of and self.allocator.refcount([page])[0] == 1:
                 self.lru.append(page)
+
+    def free(self, seq_id):
+        self._release(self._seq(seq_id)[::-1])
         del self.tables[seq_id], self.tokens[seq_id], self.offered[seq_id]
+
+    def truncate(self, seq_id, num_tokens):
+        table = self._seq(seq_id)
+        tokens = self.tokens[seq_id]
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= len(tokens):
+            raise ValueError(f"expected num_tokens in [1, {len(tokens)}]")
+        keep = self._pages(num_tokens)
+        self._release(table[keep:][::-1])
+        del table[keep:], tokens[num_tokens:]
+        self.offered[seq_id] = min(self.offered[seq_id], num_tokens // self.page_size)
 
     def detach(self, seq_id):
         self._seq(seq_id)
