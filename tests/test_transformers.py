@@ -20,7 +20,7 @@ from transformers import DynamicCache  # noqa: E402
 from huge_pages import huge_page_kib, skip_unless_numpy_gets_huge_pages  # noqa: E402
 from pagekv import OutOfPagesError, PagekvError  # noqa: E402
 from pagekv.attention import gather_kv  # noqa: E402
-from pagekv.integrations.transformers import PagedKVPool  # noqa: E402
+from pagekv.integrations.transformers import PagedCache, PagedKVPool  # noqa: E402
 
 # transformers 5.24 renamed forward's and generate's `past_key_values` to `cache`
 CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
@@ -282,10 +282,93 @@ def test_beam_search_forks_rows_and_matches_sdpa(llama):
 
 def test_unsupported_cache_operations_raise(llama):
     cache = PagedKVPool(llama, num_pages=4).new_cache()
-    for call in (lambda: cache.crop(1),
-                 lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices([0])):
+    for call in (lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices([0])):
         with pytest.raises(NotImplementedError, match="PagedCache does not support"):
             call()
+
+
+def noisy_copy(model, scale):
+    """``model`` with its weights perturbed by ``scale`` of each one's spread: a draft model that
+    agrees with it often, not always. Drafts 5 tokens per step, whatever its confidence."""
+    draft = tiny("llama")
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    draft.generation_config.num_assistant_tokens = 5
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return draft
+
+
+def test_assisted_generation_rolls_back_rejected_drafts_and_matches_transformers(llama, monkeypatch):
+    """Speculative decoding: the target model verifies 5 drafted tokens per forward, appended to
+    its pages, and crop() drops the rejected ones (KVCacheManager.truncate), across page
+    boundaries (page 4): the tokens and logits are those of transformers' own assisted generate."""
+    ids, mask = left_padded([37], seed=22)
+    kwargs = dict(max_new_tokens=30, assistant_model=noisy_copy(llama, 0.2))
+    ref = reference(llama, ids, mask, **kwargs)
+    pool = PagedKVPool(llama, num_pages=64, page_size=4)
+    crops = []
+    crop = PagedCache.crop
+    monkeypatch.setattr(PagedCache, "crop", lambda cache, n: (crops.append(n), crop(cache, n))[1])
+    ours = pool.generate(ids, attention_mask=mask, **GREEDY, **kwargs)
+    assert_same_generation(ours, ref, logits_atol=1e-5)
+    assert min(crops) <= -3 and -1 in crops and 0 in crops[:-1]  # drafts rejected, some, all kept
+    assert pool.stats().num_seqs == 0
+    pool.manager.check()
+
+
+def test_crop_drops_each_rows_last_tokens_and_later_forwards_match_a_cropped_dynamic_cache(llama):
+    """A left-padded batch of two, three tokens appended, two cropped, two others appended: the
+    logits are those of transformers' DynamicCache cropped the same way, and each row's sequence
+    holds its real tokens only."""
+    ids, mask = left_padded([6, 19], seed=16)
+    g = torch.Generator().manual_seed(17)
+    drafts, others = (torch.randint(1, VOCAB, (2, n), generator=g) for n in (3, 2))
+
+    def last_logits(cache):
+        with torch.no_grad():
+            llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+            llama(input_ids=drafts, attention_mask=torch.cat([mask, torch.ones_like(drafts)], 1), **{CACHE: cache})
+            cache.crop(-2)
+            assert cache.get_seq_length() == 19 + 1
+            return llama(input_ids=others, attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1),
+                         **{CACHE: cache}).logits
+
+    expected = last_logits(DynamicCache(config=llama.config))  # before the pool takes the model's attention
+    pool = PagedKVPool(llama, num_pages=32, page_size=4)
+    paged = pool.new_cache()
+    np.testing.assert_allclose(last_logits(paged).numpy(), expected.numpy(), atol=1e-5, rtol=0)
+    assert [pool.manager.seq_len(s) for s in paged._seq_ids] == [6 + 1 + 2, 19 + 1 + 2]
+    for bad in (1, -23, 2.0, True):
+        before = (pool.stats(), paged.get_seq_length(), list(paged._seq_ids))
+        with pytest.raises(ValueError, match=rf"expected tokens_to_remove a negative count of the 22 "
+                                             rf"columns held \(or 0\), got {bad}"):
+            paged.crop(bad)
+        assert (pool.stats(), paged.get_seq_length(), list(paged._seq_ids)) == before
+    paged.crop(0)
+    assert paged.get_seq_length() == 22
+    pool.manager.check()
+
+
+def test_crop_of_every_real_token_of_a_row_frees_its_sequence_until_its_next_token(llama):
+    pool = PagedKVPool(llama, num_pages=16, page_size=4)
+    ids, mask = left_padded([5, 9], seed=18)
+    mask[0] = 0  # row 0 all padding in the prompt: its first tokens come with the next forward
+    cache = pool.new_cache()
+    more = torch.ones(2, 2, dtype=mask.dtype)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+        llama(input_ids=ids[:, :2], attention_mask=torch.cat([mask, more], 1), **{CACHE: cache})
+        assert [pool.manager.seq_len(s) for s in cache._seq_ids] == [2, 11]
+        cache.crop(-2)
+        assert cache._seq_ids[0] is None and pool.manager.seq_len(cache._seq_ids[1]) == 9
+        assert pool.stats().num_seqs == 1
+        pool.manager.check()
+        llama(input_ids=ids[:, :2], attention_mask=torch.cat([mask, more], 1), **{CACHE: cache})
+    assert [pool.manager.seq_len(s) for s in cache._seq_ids] == [2, 11]
 
 
 def test_the_example_runs_and_agrees_with_transformers():

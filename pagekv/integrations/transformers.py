@@ -67,6 +67,8 @@ class _Step:
         Rows of the flattened ``[batch * q_len]`` queries that are real tokens (None: all are).
     qo_indptr : int32 [batch + 1] or None
         Query rows of each batch row (prefill); None for a decode step (one token per row).
+    real : bool [batch, q_len]
+        Which of the forward's columns are tokens (not padding).
     """
 
     block_table: np.ndarray
@@ -75,6 +77,7 @@ class _Step:
     query_rows: np.ndarray | None
     qo_indptr: np.ndarray | None
     page_size: int
+    real: np.ndarray
     _plans: dict = field(default_factory=dict)
 
     def decode_plan(self, sliding_window):
@@ -286,8 +289,9 @@ class PagedCache(Cache):
     garbage collection) frees the sequences; their full pages stay in the prefix cache.
 
     ``get_seq_length`` counts columns (padding included), as transformers expects. Beam search
-    reorders rows by forking them (shared pages, copy-on-write); cropping (assisted decoding) and
-    selecting or expanding a filled cache are not supported (they raise).
+    reorders rows by forking them (shared pages, copy-on-write); cropping (assisted decoding's
+    rollback of rejected drafts) truncates each row's sequence; selecting or expanding a filled
+    cache is not supported (it raises).
     """
 
     def __init__(self, pool: PagedKVPool):
@@ -295,6 +299,7 @@ class PagedCache(Cache):
         self.pool = pool
         self._seq_ids: list = []  # per batch row: its pagekv sequence, None until its first real token
         self._columns = 0
+        self._real: list = []  # per finished forward, bool [batch, q_len]: which columns are tokens
         self._step: _Step | None = None
         self._failed = False
         weakref.finalize(self, _free_sequences, pool.manager, self._seq_ids)
@@ -309,6 +314,7 @@ class PagedCache(Cache):
         """Free this cache's sequences (their full pages stay in the prefix cache); the cache is empty."""
         _free_sequences(self.pool.manager, self._seq_ids)
         self._columns, self._step, self._failed = 0, None, False
+        self._real.clear()
 
     # ----------------------------------------------------------------- transformers' Cache API
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -375,7 +381,36 @@ class PagedCache(Cache):
         self._seq_ids.extend(forks)
 
     def crop(self, tokens_to_remove):
-        raise NotImplementedError("PagedCache does not support cropping (assisted decoding)")
+        """Drop the last ``-tokens_to_remove`` columns (transformers' convention: a negative count;
+        0 drops nothing): assisted decoding's rejected drafts. Each row's sequence keeps its tokens
+        before them (``KVCacheManager.truncate`` releases the pages past them); a row left with no
+        token is freed and starts again at its next real token.
+
+        Raises
+        ------
+        ValueError
+            ``tokens_to_remove`` not an integer in [-columns, 0]; nothing changed.
+        """
+        if (isinstance(tokens_to_remove, (bool, np.bool_)) or not isinstance(tokens_to_remove, (int, np.integer))
+                or not -self._columns <= tokens_to_remove <= 0):
+            raise ValueError(f"expected tokens_to_remove a negative count of the {self._columns} columns "
+                             f"held (or 0), got {tokens_to_remove!r:.80}")
+        if tokens_to_remove == 0:
+            return
+        keep = self._columns + int(tokens_to_remove)
+        real = np.concatenate(self._real, axis=1)  # bool [batch, columns]
+        manager = self.pool.manager
+        for i, seq_id in enumerate(self._seq_ids):
+            kept = int(real[i, :keep].sum())
+            if seq_id is None or kept == manager.seq_len(seq_id):
+                continue
+            if kept:
+                manager.truncate(seq_id, kept)
+            else:
+                manager.free(seq_id)
+                self._seq_ids[i] = None
+        self._columns = keep
+        self._real[:] = [real[:, :keep]]
 
     def batch_repeat_interleave(self, repeats):
         raise NotImplementedError("PagedCache does not support expanding a filled cache")
@@ -416,7 +451,7 @@ class PagedCache(Cache):
             query_rows=None if all_real else np.flatnonzero(real.ravel()),
             qo_indptr=None if q_len == 1 and all_real else np.concatenate(
                 [[0], np.cumsum(real.sum(axis=1))]).astype(np.int32),
-            page_size=manager.page_size)
+            page_size=manager.page_size, real=real)
         return self._step
 
     def _real_tokens(self, attention_mask, batch, q_len) -> np.ndarray:
@@ -481,7 +516,8 @@ class PagedCache(Cache):
     def _finish(self) -> None:
         """The forward returned: its columns are part of the cache now."""
         if self._step is not None:
-            self._columns += len(self._step.slot_mapping) // len(self._seq_ids)
+            self._columns += self._step.real.shape[1]
+            self._real.append(self._step.real)
             self._step = None
 
 
