@@ -11,6 +11,7 @@ from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, Unkno
                     attention)
 from pagekv import _arrays
 from pagekv.prefix import chain_keys
+from pagekv.tables import csr_from_padded
 from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
 
 
@@ -228,6 +229,23 @@ def test_batch_gives_csr_and_slot_mapping():
     assert batch.slot_mapping.tolist() == [slots[1], slots[0]]
 
 
+def test_slot_mapping_of_none_some_or_all_of_each_sequences_tokens():
+    m = KVCacheManager(num_pages=40, page_size=4, max_seqs=4, max_pages_per_seq=8,
+                       enable_prefix_caching=False)
+    lens = {"a": 9, "b": 2, "c": 13}
+    for seq_id, n in lens.items():
+        m.add_sequence(seq_id, list(range(n)))
+    for counts in ([0, 2, 13], [5, 1, 7]):
+        expected = [int(m.page_table(s)[p // 4]) * 4 + p % 4
+                    for s, n in zip(lens, counts) for p in range(lens[s] - n, lens[s])]
+        assert m.batch(list(lens), num_new_tokens=np.array(counts)).slot_mapping.tolist() == expected
+
+
+def test_csr_of_an_empty_sequence_has_no_pages_and_a_last_page_of_zero_tokens():
+    indptr, indices, last = csr_from_padded(np.array([[4, 2], [9, 9], [7, 0]]), np.array([5, 0, 4]), 4)
+    assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 2, 3], [4, 2, 7], [1, 0, 4])
+
+
 def test_prefix_keys_are_stable_across_processes():
     tokens = np.arange(64, dtype=np.int32)
     code = ("import numpy as np; from pagekv.prefix import chain_keys; "
@@ -379,6 +397,14 @@ def test_spec_bytes_and_budget():
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="int8")
     with pytest.raises(ValueError, match="expected head_dim a positive integer"):
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=0)
+    assert spec.pages_for_budget(0) == 0 and spec.pages_for_budget(spec.bytes_per_page - 1) == 0
+    for dtype, itemsize in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
+        small = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=80, page_size=5, dtype=dtype)
+        assert small.itemsize == itemsize and small.bytes_per_token == 2 * 3 * 2 * 80 * itemsize
+    # frozen: equal by value, a dict key, and not changed behind a cache's back
+    assert {spec: 1}[KVCacheSpec(num_layers=80, num_kv_heads=8, head_dim=128, dtype="bfloat16")] == 1
+    with pytest.raises(AttributeError):
+        spec.page_size = 32
 
 
 def test_kv_cache_views_and_size():
