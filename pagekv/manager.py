@@ -97,7 +97,10 @@ class KVCacheManager:
     Notes
     -----
     Contract with the caller: write the KV of every slot that ``add_sequence``/``append`` hand out
-    (after running ``take_pending_copies``) before a forward pass reads it. A new sequence's full
+    (after running ``take_pending_copies``) before a forward pass reads it, and run the queued
+    copies before anything writes into pages outside those slots (a second tier's swap-in or
+    restore): a queued copy's source, released by its last other holder meanwhile, may have been
+    handed out again. A queued copy into a page that is released before it runs is dropped. A new sequence's full
     prompt pages enter the prefix cache at once, so a second sequence with the same prompt in the same
     batch shares them.
 
@@ -767,9 +770,13 @@ class KVCacheManager:
     def _release(self, pages):
         """Drop a table's reference on each of ``pages`` (int32 [n], a table's run), last page
         first, so the LRU evicts a prefix's deep pages first; cached pages left to the cache alone
-        become evictable."""
+        become evictable, and queued copies into pages that return to the pool are dropped (the page
+        may be handed out and written before the caller runs them)."""
         pages = pages[::-1].copy()
-        self.allocator.decref(pages)
+        freed = self.allocator.decref(pages)
+        if self._pending and len(freed):  # a queued copy into a page no one holds now is moot
+            freed = set(freed.tolist())
+            self._pending = [(src, dst) for src, dst in self._pending if dst not in freed]
         if self.prefix is not None and len(self.prefix):
             counts = self.allocator.refcount(pages)
             for page, count in zip(pages.tolist(), counts.tolist()):

@@ -640,3 +640,25 @@ def test_truncate_releases_pages_last_first_and_to_the_full_length_changes_nothi
     assert list(m.prefix.evictable) == [2]            # page 2 (tokens 5 6) is full and cached
     assert m.allocator.is_free([3]).tolist() == [True] and m.allocator.num_free == 13
     m.check()
+
+
+def test_a_queued_copy_into_a_page_released_before_it_runs_is_dropped():
+    """The copy of a shared page is moot once its destination returns to the pool (the page may be
+    handed out, and written, before the caller runs the copies); a copy into a held page stays."""
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8,
+                       enable_prefix_caching=False)
+    m.add_sequence("a", [1, 2, 3, 4, 5])
+    m.fork("a", "b")
+    m.fork("a", "c")
+    m.append("a", [6])                # a copies the shared page 1 ...
+    m.truncate("a", 4)                # ... and gives its copy back
+    m.append("b", [7])                # b copies it too ...
+    m.free("b")                       # ... and is freed
+    m.append("c", [8])                # c is its last holder now: no copy
+    assert [x.tolist() for x in m.take_pending_copies()] == [[], []]
+    m.fork("c", "d")
+    m.append("d", [9])                # d copies c's page 1 and keeps the copy:
+    m.truncate("d", 6)                # truncate releases nothing here
+    src, dst = m.take_pending_copies()
+    assert src.tolist() == [int(m.page_table("c")[1])] and dst.tolist() == [int(m.page_table("d")[1])]
+    m.check()

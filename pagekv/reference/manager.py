@@ -225,6 +225,8 @@ class ReferenceKVCacheManager:
     def _release(self, released):
         if released:
             self.allocator.decref(released)
+        freed = [page for page in released if page in self.allocator.free]
+        self.pending = [(src, dst) for src, dst in self.pending if dst not in freed]
         for page in released:
             if page in self.key_of and self.allocator.refcount([page])[0] == 1:
                 self.lru.append(page)
