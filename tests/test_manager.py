@@ -10,6 +10,8 @@ import pytest
 from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError,
                     attention)
 from pagekv import _arrays
+from pagekv.errors import InvariantError
+from pagekv.manager import DetachedSequence
 from pagekv.prefix import chain_keys
 from pagekv.tables import csr_from_padded
 from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
@@ -290,6 +292,9 @@ def busy():
     (lambda m: m.truncate("a", 2.0), ValueError, "got 2.0"),
     (lambda m: m.truncate("a", True), ValueError, "got True"),
     (lambda m: m.truncate("zz", 1), UnknownSequenceError, "got 'zz'"),
+    (lambda m: m.attach("c", DetachedSequence(3, np.empty(0, np.int32))), ValueError,
+     r"expected a record holding its 3 token ids \(detach\(\) of a manager that caches prefixes\), got 0"),
+    (lambda m: m.attach("c", (3, [1, 2, 3])), TypeError, "expected a DetachedSequence from detach"),
     (lambda m: m.append_tokens(["a", "b"], [1]), ValueError, r"one token per sequence \(2\), got 1"),
     (lambda m: m.append_tokens(["a", "zz"], [1, 2]), UnknownSequenceError, "got 'zz'"),
     (lambda m: m.batch(["a"], num_new_tokens=7), ValueError,
@@ -333,6 +338,9 @@ def _manager_calls():
         "append_tokens": dict(seq_ids=["a", "b"], token_ids=np.array([7, 8], np.int32)),
         "fork": dict(src_id="a", dst_id="c"), "free": dict(seq_id="a"), "detach": dict(seq_id="a"),
         "truncate": dict(seq_id="a", num_tokens=5),
+        "attach": dict(seq_id="c", record=DetachedSequence(3, tokens)),
+        "attach_shared": dict(seq_ids=["c"], records=[DetachedSequence(3, tokens)],
+                              page_indices=[np.array([0])]),
         "restore_cached": dict(keys=[b"k" * 16], keep=[0]),
     }
 
@@ -362,6 +370,11 @@ def test_too_many_sequences(busy):
         busy.add_sequence("d", [1])
     with pytest.raises(ValueError, match="max_seqs"):
         busy.fork("a", "d")
+    record = DetachedSequence(2, np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match="expected at most max_seqs=3 sequences, got 1 more"):
+        busy.attach("d", record)
+    with pytest.raises(ValueError, match="got 2 more"):
+        busy.attach_shared(["d", "e"], [record, record], [[0], [0]])
     assert snapshot(busy) == before
 
 
@@ -662,3 +675,20 @@ def test_a_queued_copy_into_a_page_released_before_it_runs_is_dropped():
     src, dst = m.take_pending_copies()
     assert src.tolist() == [int(m.page_table("c")[1])] and dst.tolist() == [int(m.page_table("d")[1])]
     m.check()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda m: m.allocator.incref([0]), "page 0: refcount 3, expected 2"),
+    (lambda m: m.prefix.evictable.pop(4), "cached page 4 is not evictable with 0 other holders"),
+    (lambda m: m.prefix.evictable.update({0: None}), "cached page 0 is evictable with 1 other holders"),
+    (lambda m: m._page_keys[m._rows["a"]].pop(), "sequence 'a' has 1 page keys for 2 full pages"),
+])
+def test_check_finds_each_broken_invariant(corrupt, message):
+    m = KVCacheManager(num_pages=8, page_size=2, max_seqs=2, max_pages_per_seq=4)
+    m.add_sequence("a", [1, 2, 3, 4, 5])
+    m.add_sequence("b", [6, 7, 8])
+    m.free("b")                                   # its full page 4 stays cached, evictable
+    m.check()
+    corrupt(m)
+    with pytest.raises(InvariantError, match=message):
+        m.check()
