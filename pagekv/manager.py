@@ -100,9 +100,9 @@ class KVCacheManager:
     (after running ``take_pending_copies``) before a forward pass reads it, and run the queued
     copies before anything writes into pages outside those slots (a second tier's swap-in or
     restore): a queued copy's source, released by its last other holder meanwhile, may have been
-    handed out again. A queued copy into a page that is released before it runs is dropped. A new sequence's full
-    prompt pages enter the prefix cache at once, so a second sequence with the same prompt in the same
-    batch shares them.
+    handed out again. A queued copy into a page that is released before it runs is dropped. A new
+    sequence's full prompt pages enter the prefix cache at once, so a second sequence with the same
+    prompt in the same batch shares them.
 
     Examples
     --------

@@ -371,6 +371,7 @@ def test_too_many_sequences(busy):
     with pytest.raises(ValueError, match="max_seqs"):
         busy.fork("a", "d")
     record = DetachedSequence(2, np.array([1, 2], np.int32))
+    assert busy.attach_shared([], [], []).tolist() == []  # nothing to attach: no row needed
     with pytest.raises(ValueError, match="expected at most max_seqs=3 sequences, got 1 more"):
         busy.attach("d", record)
     with pytest.raises(ValueError, match="got 2 more"):
