@@ -446,8 +446,13 @@ def test_kv_cache_starts_on_a_cache_line_past_a_4k_boundary(dtype, num_pages):
 
 def test_kv_cache_too_big_fails_before_touching_memory():
     spec = KVCacheSpec(num_layers=80, num_kv_heads=8, head_dim=128, dtype="float32")
-    with pytest.raises(MemoryError, match="expected a KV cache within the .* GiB available"):
+    with pytest.raises(MemoryError, match=r"expected a KV cache within the \d+\.\d GiB available, "
+                                          r"got 10000000 pages x 10485760 B = 97656\.2 GiB$") as refused:
         KVCache(spec, 10**7)  # 100 TB
+    with open("/proc/meminfo") as f:  # the figure it names is the OS's MemAvailable (kB)
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    named = float(str(refused.value).split("within the ")[1].split(" GiB")[0])
+    assert named == pytest.approx(kib / 2**20, rel=0.1, abs=0.2)
 
 
 @pytest.mark.parametrize("call, error, message", [
