@@ -137,10 +137,11 @@ class KVCacheManager:
         # Per-sequence state lives in rows, like the page tables, so a decode step is array work:
         self._rows: dict = {}                                   # seq_id -> row
         self._free_rows = list(range(max_seqs - 1, -1, -1))
-        # With prefix caching, each row's token ids (columns grow as sequences do: memory follows
-        # the longest sequence, not max_pages_per_seq) and the prefix key of each of its full pages
-        # (a page that fills is keyed from the one before it; truncate resumes the chain anywhere).
-        self._token_ids = np.zeros((max_seqs, page_size), np.int32) if enable_prefix_caching else None
+        # With prefix caching: the token id in every slot (4 bytes beside each slot's KV, written
+        # where the KV is; shared pages share them, a copied page takes its source's) and each row's
+        # prefix key of each full page (a page that fills is keyed from the one before it and its
+        # slots' tokens; truncate resumes the chain at any page).
+        self._slot_tokens = np.zeros(num_pages * page_size, np.int32) if enable_prefix_caching else None
         self._page_keys: list[list[bytes]] = [[] for _ in range(max_seqs)]
         self._pending: list[tuple[int, int]] = []
         # Called as on_evict(keys, pages) just before cached pages are evicted (their KV is still
@@ -288,8 +289,9 @@ class KVCacheManager:
         self.block_table[row, len(hit):num_pages] = fresh
         self.seq_lens[row] = len(tokens)
         self._cache_pages(keys[len(hit):], self.block_table[row, len(hit):len(keys)])
-        if self.prefix is not None:
-            self._record_tokens(row, tokens, keys)
+        if self.prefix is not None:  # hit pages get them too: restored pages came without any
+            self._slot_tokens[self._slots(row, 0, len(tokens))] = tokens
+            self._page_keys[row] = keys
         self._rows[seq_id] = row
         self._hit_tokens += len(hit) * self.page_size
         self._query_tokens += len(tokens)
@@ -321,8 +323,7 @@ class KVCacheManager:
             (positions % self.page_size).astype(np.int32)
         self.seq_lens[row] = length + len(tokens)
         if self.prefix is not None:
-            self._reserve_tokens(length + len(tokens))
-            self._token_ids[row, length:length + len(tokens)] = tokens
+            self._slot_tokens[slots] = tokens
             filled = np.arange(length // self.page_size, (length + len(tokens)) // self.page_size)
             if len(filled):
                 self._pages_filled(np.full(len(filled), row), filled)
@@ -362,8 +363,7 @@ class KVCacheManager:
         slots = self.block_table[rows, lens // ps] * ps + (lens % ps).astype(np.int32)
         self.seq_lens[rows] += 1
         if self.prefix is not None:
-            self._reserve_tokens(int(lens.max(initial=0)) + 1)
-            self._token_ids[rows, lens] = tokens
+            self._slot_tokens[slots] = tokens
             filled = np.flatnonzero(lens % ps == ps - 1)  # sequences whose page this token filled
             if len(filled):
                 self._pages_filled(rows[filled], lens[filled] // ps)
@@ -382,9 +382,7 @@ class KVCacheManager:
         row = self._free_rows.pop()
         self.block_table[row, :len(pages)] = pages
         self.seq_lens[row] = length
-        if self.prefix is not None:
-            self._token_ids[row, :length] = self._token_ids[src, :length]
-            self._page_keys[row] = list(self._page_keys[src])
+        self._page_keys[row] = list(self._page_keys[src])
         self._rows[dst_id] = row
 
     def free(self, seq_id) -> None:
@@ -437,7 +435,8 @@ class KVCacheManager:
         """
         row = self._row(seq_id)
         length = int(self.seq_lens[row])
-        tokens = self._token_ids[row, :length].copy() if self.prefix is not None else np.empty(0, np.int32)
+        tokens = self._slot_tokens[self._slots(row, 0, length)] if self.prefix is not None \
+            else np.empty(0, np.int32)
         record = DetachedSequence(length, tokens)
         self.free(seq_id)
         return record
@@ -536,7 +535,8 @@ class KVCacheManager:
             self.block_table[row, :len(index)] = fresh[index]
             self.seq_lens[row] = record.num_tokens
             if self.prefix is not None:
-                self._record_tokens(row, record.token_ids, chain_keys(record.token_ids, self.page_size))
+                self._slot_tokens[self._slots(row, 0, record.num_tokens)] = record.token_ids
+                self._page_keys[row] = chain_keys(record.token_ids, self.page_size)
             self._rows[seq_id] = row
         return fresh.copy()
 
@@ -726,6 +726,9 @@ class KVCacheManager:
         self.block_table[row, index] = dst
         self._pending.append((src, dst))
         self.allocator.decref_one(src)
+        if self.prefix is not None:
+            ps = self.page_size
+            self._slot_tokens[dst * ps:(dst + 1) * ps] = self._slot_tokens[src * ps:(src + 1) * ps]
         # A truncated sequence can copy a full page the prefix cache holds; left to the cache alone,
         # it is evictable (least recently released).
         if self.prefix is not None and src in self.prefix.key_of and self.allocator.refcount([src])[0] == 1:
@@ -740,32 +743,25 @@ class KVCacheManager:
         if taken:
             self.allocator.incref(taken)
 
-    def _reserve_tokens(self, num_tokens):
-        """Grow the token-id columns (doubling, up to max_pages_per_seq pages) to hold num_tokens."""
-        columns = self._token_ids.shape[1]
-        if num_tokens > columns:
-            limit = self.max_pages_per_seq * self.page_size
-            grown = np.zeros((len(self._token_ids), min(max(2 * columns, num_tokens), limit)), np.int32)
-            grown[:, :columns] = self._token_ids
-            self._token_ids = grown
-
-    def _record_tokens(self, row, tokens, keys):
-        """A new row's token ids and the prefix keys of its full pages."""
-        self._reserve_tokens(len(tokens))
-        self._token_ids[row, :len(tokens)] = tokens
-        self._page_keys[row] = list(keys)
+    def _slots(self, row, start, end):
+        """int64 [end - start]: the slots of positions start .. end - 1 of ``row``."""
+        positions = np.arange(start, end)
+        return self.block_table[row, positions // self.page_size].astype(np.int64) * self.page_size \
+            + positions % self.page_size
 
     def _pages_filled(self, rows, indices):
         """Page ``indices[i]`` of ``rows[i]`` just became full, in order (a row's pages ascending):
         key each from the key of the page before it and its tokens, and offer them to the prefix cache."""
         ps = self.page_size
+        filled = self.block_table[rows, indices]
+        slots = filled.astype(np.int64)[:, None] * ps + np.arange(ps)
+        pages = np.ascontiguousarray(self._slot_tokens[slots], dtype="<i4").tobytes()
         keys = []
-        for row, index in zip(rows.tolist(), indices.tolist()):
+        for i, row in enumerate(rows.tolist()):
             chain = self._page_keys[row]
-            tokens = np.ascontiguousarray(self._token_ids[row, index * ps:(index + 1) * ps], dtype="<i4")
-            chain.append(page_key(chain[-1] if chain else ROOT_KEY, tokens.tobytes()))
+            chain.append(page_key(chain[-1] if chain else ROOT_KEY, pages[4 * ps * i:4 * ps * (i + 1)]))
             keys.append(chain[-1])
-        self._cache_pages(keys, self.block_table[rows, indices].tolist())
+        self._cache_pages(keys, filled.tolist())
 
     def _release(self, pages):
         """Drop a table's reference on each of ``pages`` (int32 [n], a table's run), last page

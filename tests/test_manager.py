@@ -698,3 +698,17 @@ def test_check_finds_each_broken_invariant(corrupt, message):
     corrupt(m)
     with pytest.raises(InvariantError, match=message):
         m.check()
+
+
+def test_a_sequence_truncated_into_restored_pages_rekeys_them_from_its_own_tokens():
+    """Pages a second tier restores come back without token ids; a prompt that hits them supplies
+    its own, so a rollback into them and the same tokens again give the same keys, no new ones."""
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=2, max_pages_per_seq=8)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    keys = chain_keys(prompt, 4)
+    m.restore_cached(keys)                          # 2 full pages, as a tier would put them back
+    assert m.add_sequence("a", prompt) == 8
+    m.truncate("a", 6)                              # into the second restored page
+    m.append("a", [11, 12, 13])                     # its own tokens again: a copy, the same key
+    assert set(m.prefix.page_of) == set(keys) and m.prefix.page_of[keys[1]] != m.page_table("a")[1]
+    m.check()
