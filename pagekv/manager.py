@@ -729,10 +729,10 @@ class KVCacheManager:
         if self.prefix is not None:
             ps = self.page_size
             self._slot_tokens[dst * ps:(dst + 1) * ps] = self._slot_tokens[src * ps:(src + 1) * ps]
-        # A truncated sequence can copy a full page the prefix cache holds; left to the cache alone,
-        # it is evictable (least recently released).
-        if self.prefix is not None and src in self.prefix.key_of and self.allocator.refcount([src])[0] == 1:
-            self.prefix.evictable[src] = None
+            # A truncated sequence can copy a full page the prefix cache holds; left to the cache
+            # alone, it is evictable (least recently released).
+            if src in self.prefix.key_of and self.allocator.refcount([src])[0] == 1:
+                self.prefix.evictable[src] = None
 
     def _cache_pages(self, keys, pages):
         """Offer full pages to the prefix cache; the cache takes a reference on each it keeps."""
