@@ -318,9 +318,7 @@ class KVCacheManager:
             fresh = fresh[1:]
         end = self._num_pages(length + len(tokens))
         self.block_table[row, first_new:end] = fresh
-        positions = np.arange(length, length + len(tokens))
-        slots = self.block_table[row, positions // self.page_size] * self.page_size + \
-            (positions % self.page_size).astype(np.int32)
+        slots = self._slots(row, length, length + len(tokens))
         self.seq_lens[row] = length + len(tokens)
         if self.prefix is not None:
             self._slot_tokens[slots] = tokens
