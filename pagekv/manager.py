@@ -9,6 +9,7 @@ prefix cache holds one more, owned by the cache. Invariant (checked by :meth:`ch
 ``refcount(page) == table references + (1 if cached)``.
 """
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,13 +97,15 @@ class KVCacheManager:
 
     Notes
     -----
-    Contract with the caller: write the KV of every slot that ``add_sequence``/``append`` hand out
-    (after running ``take_pending_copies``) before a forward pass reads it, and run the queued
-    copies before anything writes into pages outside those slots (a second tier's swap-in or
-    restore): a queued copy's source, released by its last other holder meanwhile, may have been
-    handed out again. A queued copy into a page that is released before it runs is dropped. A new
-    sequence's full prompt pages enter the prefix cache at once, so a second sequence with the same
-    prompt in the same batch shares them.
+    Contract with the caller, each step: run the copies ``take_pending_copies`` returns, then write
+    the KV of every slot that ``add_sequence``/``append``/``append_tokens`` handed out, before a
+    forward pass reads them. Fork, truncate, free or detach a sequence only once its slots are
+    written: a full page enters the prefix cache when it is handed out, and a copy-on-write copies
+    what a page holds. A queued copy holds a reference on its source until it is taken, so the
+    source is not handed out again (nor written by a second tier's restore or swap-in) before the
+    copy runs; a queued copy into a page released before it runs is dropped. A new sequence's full
+    prompt pages enter the prefix cache at once, so a second sequence with the same prompt in the
+    same batch shares them.
 
     Examples
     --------
@@ -143,7 +146,9 @@ class KVCacheManager:
         # slots' tokens; truncate resumes the chain at any page).
         self._slot_tokens = np.zeros(num_pages * page_size, np.int32) if enable_prefix_caching else None
         self._page_keys: list[list[bytes]] = [[] for _ in range(max_seqs)]
-        self._pending: list[tuple[int, int]] = []
+        # Queued copy-on-write copies, dst -> src in queue order; each src keeps a reference
+        # (the one the copying table gave up) until the copies are taken.
+        self._pending: dict[int, int] = {}
         # Called as on_evict(keys, pages) just before cached pages are evicted (their KV is still
         # there): a second tier can keep them (pagekv.swap.TieredKVCache sets it).
         self.on_evict = None
@@ -245,11 +250,15 @@ class KVCacheManager:
         Returns
         -------
         src, dst : int32 [num_copies]
-            Run ``copy_pages(k_cache, v_cache, src, dst)`` for every layer before writing KV.
+            Run ``copy_pages(k_cache, v_cache, src, dst)`` for every layer now, before writing KV
+            and before the next call that can hand out pages: the sources' references are
+            released here. No page is both a source and a destination (a copy from a page that
+            waits for its own copy reads that copy's source), so the copies can run in parallel.
         """
-        pairs, self._pending = self._pending, []
-        src = np.array([s for s, _ in pairs], np.int32)
-        dst = np.array([d for _, d in pairs], np.int32)
+        pending, self._pending = self._pending, {}
+        dst = np.fromiter(pending.keys(), np.int32, len(pending))
+        src = np.fromiter(pending.values(), np.int32, len(pending))
+        self._let_go(src)
         return src, dst
 
     # ------------------------------------------------------------------ actions
@@ -574,7 +583,7 @@ class KVCacheManager:
         if self.prefix is not None:
             pages = self.prefix.clear()
             if pages:
-                self.allocator.decref(pages)
+                self._drop_copies_into(self.allocator.decref(pages))
 
     def check(self) -> None:
         """Audit the reference-count invariant and the allocator in O(num_pages); raise InvariantError."""
@@ -582,6 +591,10 @@ class KVCacheManager:
         expected = np.zeros(self.allocator.num_pages, np.int64)
         for row in self._rows.values():
             np.add.at(expected, self.block_table[row, :self._num_pages(self.seq_lens[row])], 1)
+        np.add.at(expected, list(self._pending.values()), 1)
+        chained = self._pending.keys() & set(self._pending.values())
+        if chained:
+            raise InvariantError(f"page {min(chained)} is the source and the destination of queued copies")
         if self.prefix is not None:
             expected[list(self.prefix.key_of)] += 1
             unused = {page for page in self.prefix.key_of if expected[page] == 1}
@@ -593,11 +606,14 @@ class KVCacheManager:
                 if len(self._page_keys[row]) != self.seq_lens[row] // self.page_size:
                     raise InvariantError(f"sequence {seq_id!r} has {len(self._page_keys[row])} page keys "
                                          f"for {self.seq_lens[row] // self.page_size} full pages")
+        into_free = [dst for dst in self._pending if expected[dst] == 0]
+        if into_free:
+            raise InvariantError(f"a copy into page {into_free[0]}, which nothing holds, is queued")
         actual = self.allocator.refcount(np.arange(self.allocator.num_pages))
         bad = np.flatnonzero(actual != expected)
         if len(bad):
             raise InvariantError(f"page {bad[0]}: refcount {actual[bad[0]]}, expected {expected[bad[0]]} "
-                                 "(table references + 1 if cached)")
+                                 "(table references + 1 if cached + queued copies from it)")
 
     # ------------------------------------------------------------------ internals
     def _row(self, seq_id) -> int:
@@ -658,7 +674,7 @@ class KVCacheManager:
             victims = self.prefix.evict(max(shortfall, len(grow_onto)), keep=keep, prefer=grow_onto)
             if self.on_evict is not None:
                 self.on_evict([key for key, _ in victims], np.array([p for _, p in victims], np.int32))
-            self.allocator.decref([page for _, page in victims])
+            self._drop_copies_into(self.allocator.decref([page for _, page in victims]))
         if isinstance(after, np.ndarray):
             return self.allocator.allocate_many(np.ones(count, np.int32), after=after)[0]
         return self.allocator.allocate(count, after=after)
@@ -695,19 +711,19 @@ class KVCacheManager:
         """The last page if it is partly filled and shared (it must be copied before a write)."""
         if length % self.page_size == 0:
             return None
-        page = int(self.block_table[row, length // self.page_size])
-        return page if self.allocator.refcount([page])[0] > 1 else None
+        page = self.block_table[row, length // self.page_size:length // self.page_size + 1]
+        return int(page[0]) if self._holders(page)[0] > 1 else None
 
     def _sharers_to_copy(self, rows, lens):
         """Indices of the batch whose partly filled last page is shared and must be copied.
 
-        Sharers are taken in batch order and the page's last holder keeps it: a page with refcount
-        r shared by k sequences of the batch is copied min(k, r - 1) times, never r times (which
-        would free the source before the copy runs).
+        Sharers are taken in batch order and the page's last holder keeps it: a page that r
+        tables (or the cache) hold, shared by k sequences of the batch, is copied min(k, r - 1)
+        times, never r times (which would leave the page to no one but its copies).
         """
         partial = np.flatnonzero(lens % self.page_size != 0)
         last_pages = self.block_table[rows[partial], (lens[partial] - 1) // self.page_size]
-        counts = self.allocator.refcount(last_pages)
+        counts = self._holders(last_pages)
         shared = counts > 1
         partial, last_pages, counts = partial[shared], last_pages[shared], counts[shared]
         copies_left = {}
@@ -720,17 +736,19 @@ class KVCacheManager:
         return np.array(chosen, np.int64)
 
     def _redirect(self, row, index, src, dst):
-        """Copy-on-write: table entry ``index`` moves from shared page src to fresh page dst."""
+        """Copy-on-write: table entry ``index`` moves from shared page src to fresh page dst, and
+        the table's reference on src passes to the queued copy."""
         self.block_table[row, index] = dst
-        self._pending.append((src, dst))
-        self.allocator.decref_one(src)
+        origin = self._pending.get(src)
+        if origin is None:
+            self._pending[dst] = src
+        else:  # src still waits for its own copy, which runs alongside: copy from that copy's source
+            self._pending[dst] = origin
+            self.allocator.incref_one(origin)
+            self._let_go(np.array([src], np.int32))
         if self.prefix is not None:
             ps = self.page_size
             self._slot_tokens[dst * ps:(dst + 1) * ps] = self._slot_tokens[src * ps:(src + 1) * ps]
-            # A truncated sequence can copy a full page the prefix cache holds; left to the cache
-            # alone, it is evictable (least recently released).
-            if src in self.prefix.key_of and self.allocator.refcount([src])[0] == 1:
-                self.prefix.evictable[src] = None
 
     def _cache_pages(self, keys, pages):
         """Offer full pages to the prefix cache; the cache takes a reference on each it keeps."""
@@ -763,19 +781,34 @@ class KVCacheManager:
 
     def _release(self, pages):
         """Drop a table's reference on each of ``pages`` (int32 [n], a table's run), last page
-        first, so the LRU evicts a prefix's deep pages first; cached pages left to the cache alone
-        become evictable, and queued copies into pages that return to the pool are dropped (the page
-        may be handed out and written before the caller runs them)."""
-        pages = pages[::-1].copy()
+        first, so the LRU evicts a prefix's deep pages first."""
+        self._drop_copies_into(self._let_go(pages[::-1].copy()))
+
+    def _let_go(self, pages):
+        """Drop one reference on each of ``pages`` (int32 [n], in order); cached pages left to the
+        cache alone become evictable. Returns the pages freed, int32."""
         freed = self.allocator.decref(pages)
-        if self._pending and len(freed):  # a queued copy into a page no one holds now is moot
-            freed = set(freed.tolist())
-            self._pending = [(src, dst) for src, dst in self._pending if dst not in freed]
         if self.prefix is not None and len(self.prefix):
             counts = self.allocator.refcount(pages)
             for page, count in zip(pages.tolist(), counts.tolist()):
                 if count == 1 and page in self.prefix.key_of:
                     self.prefix.evictable[page] = None
+        return freed
+
+    def _drop_copies_into(self, freed):
+        """Queued copies into pages that returned to the pool are moot (the page may be handed out
+        and written before the caller runs them): drop them and let go of their sources."""
+        moot = [dst for dst in freed.tolist() if dst in self._pending] if self._pending else ()
+        if moot:
+            self._let_go(np.array([self._pending.pop(dst) for dst in moot], np.int32))
+
+    def _holders(self, pages):
+        """int32 [n]: the references on ``pages`` not held for queued copies (tables and cache)."""
+        counts = self.allocator.refcount(pages)
+        if self._pending:
+            held = Counter(self._pending.values())
+            counts -= np.array([held[page] for page in pages.tolist()], counts.dtype)
+        return counts
 
 
 def id_list(seq_ids, *, distinct=False) -> list:

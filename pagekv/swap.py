@@ -5,8 +5,10 @@ The manager's page tables are only ever changed on the caller's thread, and ever
 before it is visible: ``swap_out`` copies a sequence's pages to the tier and only then detaches it;
 ``prefetch`` attaches it to fresh hot pages (all sequences or none) and then starts a background
 copy that writes only into those pages. Until :meth:`TieredKVCache.wait` (or ``is_ready``) says the
-copy is done, the caller must not read, append to or truncate that sequence; every other sequence
-can be appended to, truncated, freed, swapped, or computed on meanwhile.
+copy is done, the caller must not read, fork, append to or truncate that sequence; every other
+sequence can be appended to, truncated, freed, swapped, or computed on meanwhile. A sequence is
+swapped out at rest: its slots written (the manager's contract), so no queued copy-on-write copy
+still has to fill one of its pages.
 """
 
 import threading

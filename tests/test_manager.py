@@ -683,6 +683,90 @@ def test_a_queued_copy_into_a_page_released_before_it_runs_is_dropped():
     m.check()
 
 
+def test_a_queued_copy_holds_its_source_so_a_tier_write_cannot_overwrite_it_first():
+    """The last table holding a copy's source lets go before the copies run: the source stays out of
+    the pool until take_pending_copies, so a sequence a tier brings back (its KV written at once)
+    cannot land on it and the copy still reads what the source held."""
+    e = Engine(num_pages=4, page_size=4, max_seqs=4, max_pages_per_seq=4, enable_prefix_caching=False)
+    e.add("a", [1, 2])
+    e.fork("a", "b")
+    slots = e.m.append("b", [3])                 # b's copy of the shared page is queued
+    src = int(e.m.page_table("a")[0])
+    e.m.free("a")
+    del e.expected["a"]
+    assert e.m.allocator.refcount([src]).tolist() == [1] and e.m.stats().pages_free == 2
+    e.m.check()
+    with pytest.raises(OutOfPagesError):         # 3 pages would need the source
+        e.m.attach("x", DetachedSequence(9, np.empty(0, np.int32)))
+    restored = e.m.attach("x", DetachedSequence(8, np.empty(0, np.int32)))
+    assert src not in restored.tolist()
+    kv = np.array([[[v, -v]] for v in range(20, 28)], np.float32)
+    attention.write_kv(kv, kv, e.cache.k(0), e.cache.v(0), e.m.batch(["x"], num_new_tokens=8).slot_mapping)
+    e.expected["x"] = list(range(20, 28))
+    e.write("b", slots, [3.0])                   # the copies run, then b's token is written
+    assert e.m.allocator.is_free([src]).tolist() == [True]  # let go when taken
+    e.verify()
+
+
+def test_the_last_table_holding_a_queued_copys_source_writes_into_it_without_a_copy():
+    """A reference held for a queued copy does not make its source shared: the copy reads the page
+    before anyone writes, so its last table holder appends in place."""
+    e = Engine(num_pages=8, page_size=8, max_seqs=4, max_pages_per_seq=4, enable_prefix_caching=False)
+    e.add("a", [1, 2])
+    e.fork("a", "b")
+    page = int(e.m.page_table("a")[0])
+    slots = e.m.append_tokens(["b", "a"], [3, 4])   # b copies the page; a keeps it
+    assert int(e.m.page_table("a")[0]) == page and slots[1] == page * 8 + 2
+    slots = np.append(slots, e.m.append_tokens(["a"], [5]))
+    slots = np.append(slots, e.m.append("a", [6]))
+    assert slots[1:].tolist() == [page * 8 + 2, page * 8 + 3, page * 8 + 4]
+    src, dst = e.m.take_pending_copies()
+    assert src.tolist() == [page] and dst.tolist() == [int(e.m.page_table("b")[0])]
+    attention.copy_pages(e.cache.k(0), e.cache.v(0), src, dst)
+    e.write("b", slots[:1], [3.0])
+    e.write("a", slots[1:], [4.0, 5.0, 6.0])
+    e.verify()
+
+
+def test_a_copy_from_a_page_that_waits_for_its_own_copy_reads_that_copys_source():
+    """Queued copies run in parallel, so no page is both a source and a destination: b's page,
+    itself a copy still queued, is copied for c (forked before b's slots were written) from
+    the page b's copy reads."""
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=4,
+                       enable_prefix_caching=False)
+    m.add_sequence("a", [1, 2])
+    m.fork("a", "b")
+    m.append("b", [3])
+    m.fork("b", "c")
+    m.append("c", [4])
+    m.check()
+    page = int(m.page_table("a")[0])
+    assert m.allocator.refcount([page]).tolist() == [3]  # a's table and two queued copies
+    src, dst = m.take_pending_copies()
+    assert src.tolist() == [page, page]
+    assert dst.tolist() == [int(m.page_table("b")[0]), int(m.page_table("c")[0])]
+    assert m.allocator.refcount([page]).tolist() == [1]
+    m.check()
+
+
+def test_a_queued_copy_into_a_cached_page_is_dropped_when_the_cache_lets_it_go():
+    """A copy's destination filled and cached, its sequence freed before the copies run: the page is
+    the cache's alone, and evicting or clearing it drops the copy and lets go of its source."""
+    for let_go in (lambda m: m.clear_prefix_cache(),
+                   lambda m: m.add_sequence("big", list(range(40, 53)))):  # 4 pages: evicts it
+        m = KVCacheManager(num_pages=5, page_size=4, max_seqs=4, max_pages_per_seq=4)
+        m.add_sequence("a", [1, 2])
+        m.fork("a", "b")
+        m.append("b", [3, 4])                    # a copy of a's page, full and cached
+        m.free("b")
+        assert len(m.prefix.evictable) == 1
+        m.check()
+        let_go(m)
+        assert [x.tolist() for x in m.take_pending_copies()] == [[], []]
+        assert m.allocator.refcount(m.page_table("a")).tolist() == [1]
+        m.check()
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda m: m.allocator.incref([0]), "page 0: refcount 3, expected 2"),
     (lambda m: m.prefix.evictable.pop(4), "cached page 4 is not evictable with 0 other holders"),

@@ -3,7 +3,16 @@
 Tokens come from a small alphabet and prompts often extend earlier ones, so prefix hits, forks of
 shared pages, copy-on-write and eviction all happen. After every step both must agree on every
 answer and on every page table up to a renaming of page ids, and the invariants must hold.
+
+The machine also plays the engine on the manager's pages, as its contract says: a forward runs the
+queued copies (in parallel: no page may be both a source and a destination) and then writes the
+token of every slot handed out since, and a sequence is forked, truncated, freed or detached only
+once its slots are written; an attach writes its KV into its fresh pages at once, as a second tier
+does. Copies may stay queued across many calls meanwhile. After each forward every sequence must
+read back its own tokens.
 """
+
+import numpy as np
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -47,8 +56,49 @@ class ManagerMachine(RuleBasedStateMachine):
         self.prompts = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
         self.next_id = 0
         self.last_slots = None
-        self.detached = []  # (seq_id, fast record, twin record) of detached sequences
-        self.groups = []  # (seq_ids, fast records, twin records, shared layout) detached together
+        self.detached = []  # (seq_id, fast record, twin record, its KV) of detached sequences
+        self.groups = []  # (seq_ids, fast records, twin records, shared layout, their KV) detached together
+        self.kv = np.full(num_pages * page_size, -1, np.int64)  # the token each of fast's slots holds
+        self.unwritten = {}  # seq_id -> [(slot, token), ...] handed out and not written yet
+
+    # ------------------------------------------------------------------ the engine's KV
+    def forward(self):
+        """Run the queued copies, write every unwritten slot, and read every sequence back."""
+        src, dst = self.fast.take_pending_copies()
+        expected = self.twin.take_pending_copies()
+        rename = self.renaming()
+        for (s, d), (ts, td) in zip(zip(src.tolist(), dst.tolist()), expected):
+            assert rename.setdefault(s, ts) == ts and rename.setdefault(d, td) == td, "copies differ"
+        assert len(src) == len(expected) and len(set(rename.values())) == len(rename)
+        assert set(src.tolist()).isdisjoint(dst.tolist()) and len(set(dst.tolist())) == len(dst)
+        ps = self.fast.page_size
+        pages = self.kv.reshape(-1, ps)
+        pages[dst] = pages[src]
+        for writes in self.unwritten.values():
+            for slot, token in writes:
+                self.kv[slot] = token
+        self.unwritten = {}
+        for seq_id, tokens in self.twin.tokens.items():
+            assert self.kv[self.slots(seq_id)].tolist() == tokens, f"sequence {seq_id} reads other KV"
+
+    def settle(self, seq_id):
+        """The contract: a sequence with slots handed out is forked, truncated, freed or detached
+        only after a forward has written them."""
+        if self.unwritten.get(seq_id):
+            self.forward()
+
+    def slots(self, seq_id, start=0):
+        table = self.fast.page_table(seq_id)
+        positions = np.arange(start, self.fast.seq_len(seq_id))
+        return table[positions // self.fast.page_size] * self.fast.page_size + positions % self.fast.page_size
+
+    def handed_out(self, seq_id, slots, tokens):
+        self.unwritten.setdefault(seq_id, []).extend(zip(slots, tokens))
+
+    def attach_kv(self, seq_ids, kvs):
+        """A tier's swap-in: the KV is written into the fresh pages at once."""
+        for seq_id, kv in zip(seq_ids, kvs):
+            self.kv[self.slots(seq_id)] = kv
 
     def both(self, name, *args):
         got = outcome(getattr(self.fast, name), *args)
@@ -58,6 +108,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert got == expected, f"{name}{args}: fast {got} != twin {expected}"
         else:
             self.last_slots = (name, got[1], expected[1])  # slots: compared under the page renaming
+        self.value = got[1]  # fast's answer
         return got[0] == "ok"
 
     @rule(target=seqs, data=st.data())
@@ -68,39 +119,53 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         if self.both("add_sequence", seq_id, prompt):
             self.prompts.append(prompt)
+            cached = self.value
+            self.handed_out(seq_id, self.slots(seq_id, cached).tolist(), prompt[cached:])
             return seq_id
         return -1  # refused (no pages or rows): later rules see an unknown id
 
     @rule(seq=seqs, tokens=TOKENS)
     def append(self, seq, tokens):
-        self.both("append", seq, tokens)
+        if self.both("append", seq, tokens):
+            self.handed_out(seq, self.value, tokens)
 
     @rule(data=st.data())
     def decode_step(self, data):
         live = sorted(self.twin.tables)
         chosen = data.draw(st.lists(st.sampled_from(live), unique=True)) if live else []
-        self.both("append_tokens", chosen, data.draw(st.lists(st.integers(0, 3), min_size=len(chosen),
-                                                               max_size=len(chosen))))
+        tokens = data.draw(st.lists(st.integers(0, 3), min_size=len(chosen), max_size=len(chosen)))
+        if self.both("append_tokens", chosen, tokens):
+            for seq_id, slot, token in zip(chosen, self.value, tokens):
+                self.handed_out(seq_id, [slot], [token])
+
+    @rule()
+    def run_forward(self):
+        self.forward()
 
     @rule(seq=seqs, data=st.data())
     def truncate(self, seq, data):
         """Roll back to a prefix (speculative decoding's rejected drafts); 0 and past the end are refused."""
         length = self.twin.seq_len(seq) if seq in self.twin.tables else 2
+        self.settle(seq)
         self.both("truncate", seq, data.draw(st.integers(0, length + 1)))
 
     @rule(target=seqs, src=seqs)
     def fork(self, src):
         dst = self.next_id
         self.next_id += 1
+        self.settle(src)
         return dst if self.both("fork", src, dst) else -1
 
     @rule(seq=consumes(seqs))
     def free(self, seq):
+        self.settle(seq)
         self.both("free", seq)
 
     @rule(seq=consumes(seqs))
     def detach(self, seq):
         """Swap-out bookkeeping: the sequence leaves its pages and keeps a record of itself."""
+        self.settle(seq)
+        kv = self.kv[self.slots(seq)] if seq in self.twin.tables else None
         records = []
         for manager in (self.fast, self.twin):
             try:
@@ -109,14 +174,14 @@ class ManagerMachine(RuleBasedStateMachine):
                 records.append(type(exc).__name__)
         assert isinstance(records[0], str) == isinstance(records[1], str), f"detach({seq}): {records}"
         if not isinstance(records[0], str):
-            self.detached.append((seq, *records))
+            self.detached.append((seq, *records, kv))
 
     @rule(target=seqs, data=st.data())
     def attach(self, data):
         if not self.detached:
             return -1
         index = data.draw(st.integers(0, len(self.detached) - 1))
-        seq, fast_record, twin_record = self.detached[index]
+        seq, fast_record, twin_record, kv = self.detached[index]
         got = outcome(self.fast.attach, seq, fast_record)
         expected = outcome(self.twin.attach, seq, twin_record)
         assert got[0] == expected[0], f"attach({seq}): fast {got} != twin {expected}"
@@ -124,6 +189,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert got == expected
             return -1
         del self.detached[index]
+        self.attach_kv([seq], [kv])
         return seq
 
     @rule(data=st.data())
@@ -139,18 +205,21 @@ class ManagerMachine(RuleBasedStateMachine):
         others = sharers or [seq for seq in live if seq != first]
         group = [first] + (data.draw(st.lists(st.sampled_from(others), max_size=2, unique=True))
                            if others else [])
+        for seq in group:
+            self.settle(seq)
         layout = shared_layout([self.fast.page_table(seq) for seq in group])
         assert layout == shared_layout([self.twin.tables[seq] for seq in group])
+        kvs = [self.kv[self.slots(seq)] for seq in group]
         fast = [self.fast.detach(seq) for seq in group]
         twin = [self.twin.detach(seq) for seq in group]
-        self.groups.append((group, fast, twin, layout))
+        self.groups.append((group, fast, twin, layout, kvs))
 
     @rule(target=seqs, data=st.data())
     def attach_group(self, data):
         if not self.groups:
             return multiple()
         index = data.draw(st.integers(0, len(self.groups) - 1))
-        group, fast, twin, layout = self.groups[index]
+        group, fast, twin, layout, kvs = self.groups[index]
         got = outcome(self.fast.attach_shared, group, fast, layout)
         expected = outcome(self.twin.attach_shared, group, twin, layout)
         assert got[0] == expected[0], f"attach_shared({group}): fast {got} != twin {expected}"
@@ -158,6 +227,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert got == expected
             return multiple()
         del self.groups[index]
+        self.attach_kv(group, kvs)
         return multiple(*group)
 
     @rule()
@@ -168,10 +238,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def unknown_or_known_length(self, seq):
         self.both("seq_len", seq)
 
-    @invariant()
-    def same_tables_up_to_renaming(self):
-        if not hasattr(self, "fast"):
-            return
+    def renaming(self):
+        """fast page id -> twin page id, from the tables and the cache, which must agree on it."""
         rename = {}
 
         def same_page(fast_page, twin_page):
@@ -189,10 +257,13 @@ class ManagerMachine(RuleBasedStateMachine):
                 same_page(self.fast.prefix.page_of[key], page)
             assert [rename[p] for p in self.fast.prefix.evictable] == self.twin.lru
         assert len(set(rename.values())) == len(rename), "two fast pages map to one twin page"
-        src, dst = self.fast.take_pending_copies()
-        expected = self.twin.take_pending_copies()
-        # A copy's source is still held (by a sharer or the cache), so both ends have names.
-        assert [(rename[int(s)], rename[int(d)]) for s, d in zip(src, dst)] == expected
+        return rename
+
+    @invariant()
+    def same_tables_up_to_renaming(self):
+        if not hasattr(self, "fast"):
+            return
+        rename = self.renaming()
         if self.last_slots:
             name, fast_slots, twin_slots = self.last_slots
             ps = self.fast.page_size
@@ -216,6 +287,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for seq_id in list(self.twin.tables):
             self.fast.free(seq_id)
         self.fast.clear_prefix_cache()
+        assert not len(self.fast.take_pending_copies()[0]), "a copy into a freed page stayed queued"
         assert self.fast.allocator.num_free == self.fast.allocator.num_pages, "a page leaked"
         self.fast.check()
 

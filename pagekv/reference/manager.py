@@ -40,7 +40,7 @@ class ReferenceKVCacheManager:
         self.page_of: dict = {}      # key -> page
         self.key_of: dict = {}       # page -> key
         self.lru: list = []          # pages held only by the cache, least recently released first
-        self.pending: list = []
+        self.pending: dict = {}      # dst -> src of each queued copy; each src holds a reference
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -98,7 +98,7 @@ class ReferenceKVCacheManager:
             for page in victims:
                 self.lru.remove(page)
                 del self.page_of[self.key_of.pop(page)]
-            self.allocator.decref(victims)
+            self._drop_copies_into(self.allocator.decref(victims))
         if isinstance(after, list):
             return self.allocator.allocate_many([1] * count, after=after)[0]
         return self.allocator.allocate(count, after=after)
@@ -116,14 +116,34 @@ class ReferenceKVCacheManager:
                 self.allocator.incref([page])
         self.offered[seq_id] = len(keys)
 
+    def _holders(self, page):
+        """References on ``page`` from tables and the cache (not from queued copies)."""
+        return self.allocator.refcount([page])[0] - list(self.pending.values()).count(page)
+
     def _copy_on_write(self, seq_id, dst):
+        """The table's reference on its last page passes to the queued copy; a copy from a page
+        that waits for its own copy copies from that copy's source instead."""
         table = self.tables[seq_id]
         src = table[-1]
         table[-1] = dst
-        self.pending.append((src, dst))
-        self.allocator.decref([src])
-        if src in self.key_of and self.allocator.refcount([src])[0] == 1:
-            self.lru.append(src)  # a truncated sequence copied a cached page: now the cache's alone
+        if src in self.pending:
+            self.pending[dst] = self.pending[src]
+            self.allocator.incref([self.pending[src]])
+            self._let_go([src])
+        else:
+            self.pending[dst] = src
+
+    def _let_go(self, pages):
+        """Drop a reference on each page; a cached page left to the cache alone joins the LRU."""
+        freed = self.allocator.decref(pages) if pages else []
+        for page in pages:
+            if page in self.key_of and self.allocator.refcount([page])[0] == 1 and page not in self.lru:
+                self.lru.append(page)
+        return freed
+
+    def _drop_copies_into(self, freed):
+        moot = [page for page in freed if page in self.pending]
+        self._let_go([self.pending.pop(page) for page in moot])
 
     # ------------------------------------------------------------------ the contract
     def add_sequence(self, seq_id, token_ids):
@@ -162,7 +182,7 @@ class ReferenceKVCacheManager:
         end = self._pages(length + len(tokens))
         if end > self.max_pages_per_seq:
             raise ValueError("expected a sequence within max_pages_per_seq")
-        cow = length % self.page_size != 0 and self.allocator.refcount([table[-1]])[0] > 1
+        cow = length % self.page_size != 0 and self._holders(table[-1]) > 1
         follows = len(table) - 1 - cow  # the page before the first new one (or the copy)
         fresh = self._take(end - len(table) + cow, set(), table[follows] if follows >= 0 else -1)
         if cow:
@@ -193,7 +213,7 @@ class ReferenceKVCacheManager:
         for i, n in enumerate(lengths):
             if n % self.page_size:
                 page = tables[i][-1]
-                holders.setdefault(page, self.allocator.refcount([page])[0])
+                holders.setdefault(page, self._holders(page))
                 if holders[page] > 1:
                     shared.append(i)
                     holders[page] -= 1
@@ -223,13 +243,7 @@ class ReferenceKVCacheManager:
         self.offered[dst_id] = self.offered[src_id]
 
     def _release(self, released):
-        if released:
-            self.allocator.decref(released)
-        freed = [page for page in released if page in self.allocator.free]
-        self.pending = [(src, dst) for src, dst in self.pending if dst not in freed]
-        for page in released:
-            if page in self.key_of and self.allocator.refcount([page])[0] == 1:
-                self.lru.append(page)
+        self._drop_copies_into(self._let_go(released))
 
     def free(self, seq_id):
         self._release(self._seq(seq_id)[::-1])
@@ -286,10 +300,11 @@ class ReferenceKVCacheManager:
         self.key_of.clear()
         self.lru.clear()
         if pages:
-            self.allocator.decref(pages)
+            self._drop_copies_into(self.allocator.decref(pages))
 
     def take_pending_copies(self):
-        pairs, self.pending = self.pending, []
+        pairs, self.pending = [(src, dst) for dst, src in self.pending.items()], {}
+        self._let_go([src for src, _ in pairs])
         return pairs
 
     def seq_len(self, seq_id):
