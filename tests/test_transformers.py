@@ -275,16 +275,78 @@ def test_beam_search_forks_rows_and_matches_sdpa(llama):
     with torch.no_grad():
         llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
     rows, before = list(cache._seq_ids), pool.stats()
-    with pytest.raises(ValueError, match=r"expected 2 row indices in \[0, 2\)"):
-        cache.reorder_cache(torch.tensor([0, 2]))
-    assert cache._seq_ids == rows and pool.stats() == before
+    for bad, message in ((torch.tensor([0, 2]), r"expected beam_idx a 1-D list of row indices in \[0, 2\)"),
+                         ([0], "expected beam_idx of 2 row indices, got 1")):
+        with pytest.raises(ValueError, match=message):
+            cache.reorder_cache(bad)
+        assert cache._seq_ids == rows and pool.stats() == before
 
 
-def test_unsupported_cache_operations_raise(llama):
-    cache = PagedKVPool(llama, num_pages=4).new_cache()
-    for call in (lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices([0])):
-        with pytest.raises(NotImplementedError, match="PagedCache does not support"):
+def test_selecting_and_repeating_rows_fork_them_and_match_a_dynamic_cache(llama):
+    """A left-padded batch of two prefilled, each row repeated (parallel samples of one prompt),
+    rows selected (one of them twice), a token cropped, and forwards between: the logits are
+    those of transformers' DynamicCache treated the same way, and repeated rows share pages."""
+    ids, mask = left_padded([6, 19], seed=19)
+    g = torch.Generator().manual_seed(20)
+    steps = [torch.randint(1, VOCAB, (4, 2), generator=g), torch.randint(1, VOCAB, (3, 1), generator=g),
+             torch.randint(1, VOCAB, (3, 2), generator=g)]
+    pages = []
+
+    def logits(cache, pool=None):
+        out = []
+        with torch.no_grad():
+            llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+            used = pool and pool.stats().pages_used
+            cache.batch_repeat_interleave(2)
+            if pool:
+                pages.append((used, pool.stats().pages_used, pool.stats().num_seqs))
+            m = mask.repeat_interleave(2, 0)
+            for step, rows in zip(steps, ([3, 0, 0], None, None)):
+                m = torch.cat([m, torch.ones_like(step)], 1)
+                out.append(llama(input_ids=step, attention_mask=m, **{CACHE: cache}).logits)
+                if rows:
+                    cache.batch_select_indices(torch.tensor(rows))
+                    m = m[rows]
+                    cache.crop(-1)
+                    m = m[:, :-1]
+        return out
+
+    expected = logits(DynamicCache(config=llama.config))
+    pool = PagedKVPool(llama, num_pages=64, page_size=4)
+    for got, want in zip(logits(pool.new_cache(), pool), expected):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+    assert pages == [(pages[0][0], pages[0][0], 4)]  # 4 rows on the pages of 2: nothing copied
+    pool.manager.check()
+
+
+def test_row_operations_refuse_bad_input_and_need_rows_only_for_forks(llama):
+    pool = PagedKVPool(llama, num_pages=32, page_size=4, max_seqs=3)
+    ids, mask = left_padded([5, 9], seed=21)
+    cache = pool.new_cache()
+    cache.batch_repeat_interleave(3)  # nothing held yet: nothing to repeat
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+    for call, message in [
+            (lambda: cache.batch_select_indices([0, 2]), r"expected indices a 1-D list of row indices in \[0, 2\)"),
+            (lambda: cache.batch_select_indices([-1]), r"in \[0, 2\), got \[-1\]"),
+            (lambda: cache.batch_select_indices([[0]]), "expected indices a 1-D list"),
+            (lambda: cache.batch_select_indices([0.0]), "expected indices a 1-D list"),
+            (lambda: cache.batch_select_indices([]), "expected at least one row index, got none"),
+            (lambda: cache.batch_repeat_interleave(0), "expected repeats a positive integer, got 0"),
+            (lambda: cache.batch_repeat_interleave(True), "expected repeats a positive integer, got True"),
+            (lambda: cache.batch_repeat_interleave(2), r"expected 2 free sequence rows .* got 1"),
+            (lambda: cache.batch_select_indices([0, 1, 1, 1]), r"expected 2 free sequence rows .* got 1")]:
+        before = (list(cache._seq_ids), pool.stats(), [r.copy() for r in cache._real])
+        with pytest.raises(ValueError, match=message):
             call()
+        after = (list(cache._seq_ids), pool.stats(), cache._real)
+        assert after[:2] == before[:2] and all((a == b).all() for a, b in zip(after[2], before[2]))
+    first, second = cache._seq_ids
+    cache.reorder_cache([1, 1])   # one fork, into the row the dropped sequence frees first
+    assert cache._seq_ids[0] == second and first not in pool.manager
+    cache.batch_select_indices([1, 0, 0])
+    assert cache._seq_ids[1] == second and pool.stats().num_seqs == 3
+    pool.manager.check()
 
 
 def noisy_copy(model, scale):

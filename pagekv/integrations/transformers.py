@@ -23,6 +23,7 @@ Examples
 import inspect
 import itertools
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -288,10 +289,11 @@ class PagedCache(Cache):
     written), later forwards append to them. :meth:`release` (or leaving a ``with`` block, or
     garbage collection) frees the sequences; their full pages stay in the prefix cache.
 
-    ``get_seq_length`` counts columns (padding included), as transformers expects. Beam search
-    reorders rows by forking them (shared pages, copy-on-write); cropping (assisted decoding's
-    rollback of rejected drafts) truncates each row's sequence; selecting or expanding a filled
-    cache is not supported (it raises).
+    ``get_seq_length`` counts columns (padding included), as transformers expects. Reordering
+    (beam search), selecting and repeating rows (``batch_select_indices``,
+    ``batch_repeat_interleave``: parallel samples of one prefilled prompt) fork rows (shared pages,
+    copy-on-write); cropping (assisted decoding's rollback of rejected drafts) truncates each row's
+    sequence.
     """
 
     def __init__(self, pool: PagedKVPool):
@@ -351,34 +353,77 @@ class PagedCache(Cache):
         self.release()
 
     def reorder_cache(self, beam_idx):
-        """Beam search: row ``i`` continues from row ``beam_idx[i]``. Each new row is a fork of its
-        source (pages shared, copy-on-write when a shared partial page is appended to); the old
-        rows are freed. No KV is copied here.
+        """Beam search: row ``i`` continues from row ``beam_idx[i]`` (see :meth:`batch_select_indices`).
 
         Parameters
         ----------
         beam_idx : int [batch]
         """
-        sources = [int(i) for i in beam_idx]
-        if len(sources) != len(self._seq_ids) or any(not 0 <= i < len(sources) for i in sources):
-            raise ValueError(f"expected {len(self._seq_ids)} row indices in [0, {len(self._seq_ids)}), "
-                             f"got {sources}")
-        if sources == list(range(len(sources))):
-            return
+        sources = self._row_indices(beam_idx, "beam_idx")
+        if len(sources) != len(self._seq_ids):
+            raise ValueError(f"expected beam_idx of {len(self._seq_ids)} row indices, got {len(sources)}")
+        self._rearrange(sources)
+
+    def batch_select_indices(self, indices):
+        """Keep the rows ``indices``, in that order; a row named twice or more is forked (pages
+        shared, copied on write when a shared partial page is appended to), a row not named is
+        freed. No KV is copied here. All-or-nothing.
+
+        Parameters
+        ----------
+        indices : int [new_batch]
+            Row indices in [0, batch), at least one.
+
+        Raises
+        ------
+        ValueError
+            An index out of range or no index; too few free sequence rows (``max_seqs``) for the
+            forks.
+        """
+        self._rearrange(self._row_indices(indices, "indices"))
+
+    def batch_repeat_interleave(self, repeats):
+        """Each row becomes ``repeats`` consecutive rows (parallel samples of a prefilled prompt):
+        the copies fork it, sharing its pages. ``batch_select_indices`` of each row index repeated."""
+        if isinstance(repeats, (bool, np.bool_)) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+            raise ValueError(f"expected repeats a positive integer, got {repeats!r:.80}")
+        self._rearrange(np.repeat(np.arange(len(self._seq_ids)), int(repeats)).tolist())
+
+    def _row_indices(self, indices, name) -> list:
+        """``indices`` (tensor, array or list of ints) as a list of row indices in [0, batch)."""
+        values = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices)
+        batch = len(self._seq_ids)
+        if (values.ndim != 1 or (values.size and values.dtype.kind not in "iu")
+                or not batch and values.size or ((values < 0) | (values >= batch)).any()):
+            raise ValueError(f"expected {name} a 1-D list of row indices in [0, {batch}), got {indices!r:.80}")
+        return values.tolist()
+
+    def _rearrange(self, sources) -> None:
+        """Row ``i`` continues from row ``sources[i]`` (valid indices): a row's first use keeps its
+        sequence, each further use forks it, rows not used are freed. All-or-nothing."""
+        if not self._seq_ids:
+            return  # nothing held yet: the first forward sets the batch
+        if not sources:
+            raise ValueError("expected at least one row index, got none")
         manager = self.pool.manager
-        if manager.free_rows < len(sources):
-            raise ValueError(f"expected {len(sources)} free rows for the reordered beams (max_seqs), "
-                             f"got {manager.free_rows}")
-        forks = []
-        for source in sources:
-            seq_id = self._seq_ids[source]
-            if seq_id is not None:
-                forks.append(next(self.pool._ids))
-                manager.fork(seq_id, forks[-1])
-            else:
-                forks.append(None)
-        _free_sequences(manager, self._seq_ids)
-        self._seq_ids.extend(forks)
+        uses = Counter(sources)
+        unused = [seq_id for row, seq_id in enumerate(self._seq_ids) if row not in uses]
+        forks = sum(count - 1 for row, count in uses.items() if self._seq_ids[row] is not None)
+        rows = manager.free_rows + sum(seq_id is not None for seq_id in unused)
+        if forks > rows:
+            raise ValueError(f"expected {forks} free sequence rows for the forked batch rows (max_seqs), "
+                             f"got {rows}")
+        _free_sequences(manager, unused)
+        seq_ids, kept = [], set()
+        for row in sources:
+            seq_id = self._seq_ids[row]
+            if seq_id is not None and row in kept:
+                seq_id = next(self.pool._ids)
+                manager.fork(self._seq_ids[row], seq_id)
+            kept.add(row)
+            seq_ids.append(seq_id)
+        self._seq_ids[:] = seq_ids
+        self._real[:] = [real[sources] for real in self._real]
 
     def crop(self, tokens_to_remove):
         """Drop the last ``-tokens_to_remove`` columns (transformers' convention: a negative count;
@@ -411,12 +456,6 @@ class PagedCache(Cache):
                 self._seq_ids[i] = None
         self._columns = keep
         self._real[:] = [real[:, :keep]]
-
-    def batch_repeat_interleave(self, repeats):
-        raise NotImplementedError("PagedCache does not support expanding a filled cache")
-
-    def batch_select_indices(self, indices):
-        raise NotImplementedError("PagedCache does not support selecting batch rows")
 
     # ----------------------------------------------------------------- one forward
     def _begin(self, input_ids, attention_mask) -> _Step:
