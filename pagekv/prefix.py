@@ -109,7 +109,7 @@ class PrefixCache:
             if seed is None:
                 break
             run = [seed]
-            while len(victims) + len(run) < count and evictable(run[-1] + 1) and run[-1] + 1 not in run:
+            while len(victims) + len(run) < count and evictable(run[-1] + 1):
                 run.append(run[-1] + 1)
             victims.extend(reversed(run))
             chosen.update(run)

@@ -12,7 +12,7 @@ from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, Unkno
 from pagekv import _arrays
 from pagekv.errors import InvariantError
 from pagekv.manager import DetachedSequence
-from pagekv.prefix import chain_keys
+from pagekv.prefix import PrefixCache, chain_keys
 from pagekv.tables import csr_from_padded
 from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
 
@@ -765,6 +765,21 @@ def test_a_queued_copy_into_a_cached_page_is_dropped_when_the_cache_lets_it_go()
         assert [x.tolist() for x in m.take_pending_copies()] == [[], []]
         assert m.allocator.refcount(m.page_table("a")).tolist() == [1]
         m.check()
+
+
+def test_the_prefix_cache_evicts_exactly_what_is_asked_preferred_pages_then_runs():
+    """PrefixCache.evict on its own: preferred pages first (no more than asked, however many are
+    preferred), then runs from the least recently released page, cut at the count, last page
+    first; asked for more than it has, it returns what it has."""
+    cache = PrefixCache()
+    for page in (7, 3, 4, 5, 6, 9):
+        cache.insert(bytes([page]) * 16, page)
+        cache.evictable[page] = None
+    evicted = cache.evict(1, prefer=[9, 6])
+    assert [page for _, page in evicted] == [9] and evicted[0][0] == bytes([9]) * 16
+    assert [page for _, page in cache.evict(2, keep={4})] == [7, 3]      # 3's run stops at 4
+    assert [page for _, page in cache.evict(2)] == [5, 4]                # the run 4, 5, 6, cut at 2
+    assert [page for _, page in cache.evict(5)] == [6] and not cache.evictable and not len(cache)
 
 
 @pytest.mark.parametrize("corrupt, message", [
