@@ -448,14 +448,16 @@ class KVCacheManager:
         self.free(seq_id)
         return record
 
-    def attach(self, seq_id, record: DetachedSequence) -> np.ndarray:
+    def attach(self, seq_id, record: DetachedSequence, *, reuse_cached=False):
         """Bring a detached sequence back as ``seq_id`` on fresh pages, all-or-nothing.
 
         Returns
         -------
         int32 [num_pages_of_seq]
             Its new page table: copy its KV into these pages before a forward reads them. They
-            are not offered to the prefix cache (their keys were not kept); pages it fills later are.
+            are not offered to the prefix cache (their KV is not there yet); pages it fills later
+            are. With ``reuse_cached``, also bool [num_pages_of_seq], which pages to copy into
+            (see :meth:`attach_shared`).
 
         Raises
         ------
@@ -467,9 +469,9 @@ class KVCacheManager:
         if not isinstance(record, DetachedSequence):
             raise TypeError(f"expected a DetachedSequence from detach(), got {type(record).__name__}")
         pages = np.arange(self._num_pages(record.num_tokens), dtype=np.int64)
-        return self.attach_shared([seq_id], [record], [pages])
+        return self.attach_shared([seq_id], [record], [pages], reuse_cached=reuse_cached)
 
-    def attach_shared(self, seq_ids, records, page_indices) -> np.ndarray:
+    def attach_shared(self, seq_ids, records, page_indices, *, reuse_cached=False):
         """Bring detached sequences back at once, on fresh pages they share as ``page_indices``
         says (forks and parallel samples swapped out together come back sharing their pages
         again), all-or-nothing.
@@ -484,13 +486,21 @@ class KVCacheManager:
             Per sequence, for each of its pages the index (0 .. U - 1) of the fresh page it takes:
             sequences naming the same index share that page. Every index is named, none twice by
             one sequence.
+        reuse_cached : bool
+            Take a full page whose prefix key is still cached (a shared prompt, or the sequence's
+            own pages the cache kept) instead of a fresh one: it holds the KV already, so less is
+            copied back and the page is shared again. Needs prefix caching to find any.
 
         Returns
         -------
         int32 [U]
-            The fresh pages, by index: copy their KV in before a forward reads them. A page taken by
+            The pages, by index: copy their KV in before a forward reads them. A page taken by
             k sequences has k references, so the first write to a shared, partly filled last page
-            copies it (copy-on-write), as after :meth:`fork`. Not offered to the prefix cache.
+            copies it (copy-on-write), as after :meth:`fork`. Fresh pages are not offered to the
+            prefix cache.
+        bool [U]
+            Only with ``reuse_cached``: which pages are fresh (copy into these; the others are
+            cached pages, which must not be written).
 
         Raises
         ------
@@ -501,6 +511,8 @@ class KVCacheManager:
             Fewer than U pages even after evicting the prefix cache; nothing changed.
         """
         seq_ids = id_list(seq_ids, distinct=True)
+        if not isinstance(reuse_cached, (bool, np.bool_)):
+            raise ValueError(f"expected reuse_cached a bool, got {reuse_cached!r:.80}")
         try:
             records, page_indices = list(records), list(page_indices)
         except TypeError:
@@ -534,18 +546,33 @@ class KVCacheManager:
         if len(seq_ids) > len(self._free_rows):
             raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got "
                              f"{len(seq_ids) - len(self._free_rows)} more")
-        fresh = self._take_pages(len(uses), keep=())
-        if (uses > 1).any():
-            self.allocator.incref(np.repeat(fresh, uses - 1))
-        for seq_id, record, index in zip(seq_ids, records, indices):
+        keys = [self._keys(record.token_ids) for record in records]
+        hits = {}  # page index -> the cached page holding its KV
+        if reuse_cached and self.prefix is not None:
+            page_of = self.prefix.page_of
+            for chain, index in zip(keys, indices):
+                for i, key in zip(index.tolist(), chain):
+                    if key in page_of:
+                        hits.setdefault(i, page_of[key])
+        fresh = np.ones(len(uses), bool)
+        fresh[list(hits)] = False
+        pages = np.empty(len(uses), np.int32)
+        pages[fresh] = self._take_pages(int(fresh.sum()), keep=set(hits.values()))
+        pages[list(hits)] = list(hits.values())
+        if hits:
+            for page in hits.values():
+                self.prefix.evictable.pop(page, None)
+        if (uses > fresh).any():  # an allocation holds one reference: a page needs one per use
+            self.allocator.incref(np.repeat(pages, uses - fresh))
+        for seq_id, record, index, chain in zip(seq_ids, records, indices, keys):
             row = self._free_rows.pop()
-            self.block_table[row, :len(index)] = fresh[index]
+            self.block_table[row, :len(index)] = pages[index]
             self.seq_lens[row] = record.num_tokens
             if self.prefix is not None:
                 self._slot_tokens[self._slots(row, 0, record.num_tokens)] = record.token_ids
-                self._page_keys[row] = chain_keys(record.token_ids, self.page_size)
+                self._page_keys[row] = chain
             self._rows[seq_id] = row
-        return fresh.copy()
+        return (pages, fresh) if reuse_cached else pages
 
     def restore_cached(self, keys, *, keep=()) -> np.ndarray:
         """Put full pages back into the prefix cache under ``keys``, on fresh pages (all-or-nothing).

@@ -118,6 +118,10 @@ class TieredKVCache:
     def prefetch(self, seq_ids) -> None:
         """Bring swapped sequences back to fresh hot pages; the copy runs on a background thread.
 
+        Full pages whose prefix key the hot prefix cache still holds (a prompt other sequences
+        share, or pages of its own that were not evicted meanwhile) are shared again instead of
+        copied back.
+
         The sequences are in the manager again at once (all or none); their KV is there after
         :meth:`wait` or when :meth:`is_ready` says so.
 
@@ -136,16 +140,17 @@ class TieredKVCache:
                 raise UnknownSequenceError(f"expected a swapped-out sequence id, got {seq_id!r}")
         records = [self._swapped[seq_id][0] for seq_id in seq_ids]
         colds = [self._swapped[seq_id][1] for seq_id in seq_ids]
-        # tier pages the sequences share (swapped out together) come back as one shared hot page
+        # tier pages the sequences share (swapped out together) come back as one shared hot page;
+        # full pages whose prefix the hot cache still holds (a shared prompt) are taken from it
         cold, indices = _distinct_pages(colds)
-        hot = self.manager.attach_shared(seq_ids, records, indices)
+        hot, fresh = self.manager.attach_shared(seq_ids, records, indices, reuse_cached=True)
         for seq_id in seq_ids:
             del self._swapped[seq_id]
         # the job gives back each sequence's tier references once the copy is done
-        job = _Prefetch(self._cold, self._hot, cold, hot, np.concatenate(colds))
+        job = _Prefetch(self._cold, self._hot, cold[fresh], hot[fresh], np.concatenate(colds))
         for seq_id in seq_ids:
             self._inflight[seq_id] = job
-        self.bytes_swapped_in += len(cold) * self.cache.spec.bytes_per_page
+        self.bytes_swapped_in += int(fresh.sum()) * self.cache.spec.bytes_per_page
 
     def is_ready(self, seq_id) -> bool:
         """Whether ``seq_id`` is in the hot cache with its KV in place (False while swapped out)."""

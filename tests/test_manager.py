@@ -338,9 +338,9 @@ def _manager_calls():
         "append_tokens": dict(seq_ids=["a", "b"], token_ids=np.array([7, 8], np.int32)),
         "fork": dict(src_id="a", dst_id="c"), "free": dict(seq_id="a"), "detach": dict(seq_id="a"),
         "truncate": dict(seq_id="a", num_tokens=5),
-        "attach": dict(seq_id="c", record=DetachedSequence(3, tokens)),
+        "attach": dict(seq_id="c", record=DetachedSequence(3, tokens), reuse_cached=True),
         "attach_shared": dict(seq_ids=["c"], records=[DetachedSequence(3, tokens)],
-                              page_indices=[np.array([0])]),
+                              page_indices=[np.array([0])], reuse_cached=False),
         "restore_cached": dict(keys=[b"k" * 16], keep=[0]),
     }
 
@@ -765,6 +765,65 @@ def test_a_queued_copy_into_a_cached_page_is_dropped_when_the_cache_lets_it_go()
         assert [x.tolist() for x in m.take_pending_copies()] == [[], []]
         assert m.allocator.refcount(m.page_table("a")).tolist() == [1]
         m.check()
+
+
+def test_attach_reusing_cached_pages_takes_them_back_and_leaves_only_the_rest_to_copy():
+    """A detached sequence's full pages stay cached; attached with reuse_cached they come back
+    from the cache holding their KV, and only the partial page is fresh (what a tier copies)."""
+    e = Engine(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    e.add("a", list(range(10)))                 # 2 full pages (cached) + 1 partial
+    table = e.m.page_table("a").tolist()
+    record = e.m.detach("a")
+    assert e.m.stats().pages_cached == 2
+    pages, fresh = e.m.attach("a", record, reuse_cached=True)
+    assert pages[:2].tolist() == table[:2] and fresh.tolist() == [False, False, True]
+    assert e.m.allocator.refcount(pages[:2]).tolist() == [2, 2] and e.m.stats().pages_cached == 0
+    kv = np.array([[[v, -v]] for v in (8, 9)], np.float32)   # the tier's copy of the partial page
+    attention.write_kv(kv, kv, e.cache.k(0), e.cache.v(0), pages[2] * 4 + np.arange(2))
+    e.expected["a"] = [float(t) for t in range(10)]
+    e.decode(["a"], [10])
+    e.verify()
+    record = e.m.detach("a")
+    plain = e.m.attach("a", record)             # without reuse: every page fresh, as before
+    assert isinstance(plain, np.ndarray) and not set(plain.tolist()) & set(table[:2])
+    e.m.check()
+
+
+def test_attach_shared_reuses_a_page_full_for_one_sequence_and_partial_for_another():
+    """Forks detached together: b was truncated into a's second page (full and cached). Both
+    take it back from the cache, and b's next token copies it first, a cached page being shared."""
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(9)))
+    m.fork("a", "b")
+    m.truncate("b", 6)
+    cached = m.page_table("a")[:2].tolist()
+    records = [m.detach("a"), m.detach("b")]
+    pages, fresh = m.attach_shared(["a", "b"], records, [[0, 1, 2], [0, 1]], reuse_cached=True)
+    assert pages[:2].tolist() == cached and fresh.tolist() == [False, False, True]
+    assert m.allocator.refcount(pages).tolist() == [3, 3, 1]
+    m.append("b", [60])
+    src, dst = m.take_pending_copies()
+    assert src.tolist() == [cached[1]] and dst.tolist() == [m.page_table("b")[1]]
+    m.check()
+
+
+def test_attach_reusing_never_evicts_the_pages_it_reuses():
+    """Short of a fresh page, attach evicts other cached pages, not the ones it takes back; with
+    none to evict it refuses and changes nothing."""
+    m = KVCacheManager(num_pages=4, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(9)))         # 2 full pages + 1 partial
+    record = m.detach("a")
+    m.add_sequence("x", list(range(100, 108)))  # the 2 free pages, full (cached)
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError):       # the partial page: only a's own pages are evictable
+        m.attach("a", record, reuse_cached=True)
+    assert snapshot(m) == before
+    x_pages = m.page_table("x").tolist()
+    m.free("x")
+    pages, fresh = m.attach("a", record, reuse_cached=True)
+    assert fresh.tolist() == [False, False, True] and pages[2] in x_pages
+    assert len(m.prefix.evictable) == 1         # x's other page
+    m.check()
 
 
 def test_the_prefix_cache_evicts_exactly_what_is_asked_preferred_pages_then_runs():

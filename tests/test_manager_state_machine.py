@@ -12,6 +12,8 @@ does. Copies may stay queued across many calls meanwhile. After each forward eve
 read back its own tokens.
 """
 
+from functools import partial
+
 import numpy as np
 
 from hypothesis import settings
@@ -40,6 +42,8 @@ def outcome(fn, *args):
         return ("error", type(exc).__name__)
     if value is None or isinstance(value, int):
         return ("ok", value)
+    if isinstance(value, tuple):  # attach's (pages, fresh) with reuse_cached
+        return ("ok", ([int(x) for x in value[0]], [bool(x) for x in value[1]]))
     return ("ok", [int(x) for x in value])
 
 
@@ -95,10 +99,15 @@ class ManagerMachine(RuleBasedStateMachine):
     def handed_out(self, seq_id, slots, tokens):
         self.unwritten.setdefault(seq_id, []).extend(zip(slots, tokens))
 
-    def attach_kv(self, seq_ids, kvs):
-        """A tier's swap-in: the KV is written into the fresh pages at once."""
+    def attach_kv(self, seq_ids, kvs, got):
+        """A tier's swap-in: the KV is written at once into the fresh pages (with reuse_cached, not
+        into the cached pages reused, which must hold it already)."""
+        pages, fresh = got if isinstance(got, tuple) else (got, [True] * len(got))
+        written = {page for page, new in zip(pages, fresh) if new}
         for seq_id, kv in zip(seq_ids, kvs):
-            self.kv[self.slots(seq_id)] = kv
+            slots = self.slots(seq_id)
+            mine = np.isin(slots // self.fast.page_size, list(written))
+            self.kv[slots[mine]] = kv[mine]
 
     def both(self, name, *args):
         got = outcome(getattr(self.fast, name), *args)
@@ -176,21 +185,30 @@ class ManagerMachine(RuleBasedStateMachine):
         if not isinstance(records[0], str):
             self.detached.append((seq, *records, kv))
 
-    @rule(target=seqs, data=st.data())
-    def attach(self, data):
+    @rule(target=seqs, data=st.data(), reuse=st.booleans())
+    def attach(self, data, reuse):
         if not self.detached:
             return -1
         index = data.draw(st.integers(0, len(self.detached) - 1))
         seq, fast_record, twin_record, kv = self.detached[index]
-        got = outcome(self.fast.attach, seq, fast_record)
-        expected = outcome(self.twin.attach, seq, twin_record)
-        assert got[0] == expected[0], f"attach({seq}): fast {got} != twin {expected}"
-        if got[0] == "error":  # refused: nothing changed, the record stays for a later try
-            assert got == expected
+        got = outcome(partial(self.fast.attach, reuse_cached=reuse), seq, fast_record)
+        expected = outcome(partial(self.twin.attach, reuse_cached=reuse), seq, twin_record)
+        if not self.same_attach(got, expected, reuse):
             return -1
         del self.detached[index]
-        self.attach_kv([seq], [kv])
+        self.attach_kv([seq], [kv], got[1])
         return seq
+
+    def same_attach(self, got, expected, reuse):
+        """Both attached or both refused alike; with reuse, the same pages reused. False if refused
+        (nothing changed: the record stays for a later try)."""
+        assert got[0] == expected[0], f"attach: fast {got} != twin {expected}"
+        if got[0] == "error":
+            assert got == expected
+            return False
+        if reuse:
+            assert got[1][1] == expected[1][1], "attach reused other pages"
+        return True
 
     @rule(data=st.data())
     def detach_group(self, data):
@@ -214,20 +232,18 @@ class ManagerMachine(RuleBasedStateMachine):
         twin = [self.twin.detach(seq) for seq in group]
         self.groups.append((group, fast, twin, layout, kvs))
 
-    @rule(target=seqs, data=st.data())
-    def attach_group(self, data):
+    @rule(target=seqs, data=st.data(), reuse=st.booleans())
+    def attach_group(self, data, reuse):
         if not self.groups:
             return multiple()
         index = data.draw(st.integers(0, len(self.groups) - 1))
         group, fast, twin, layout, kvs = self.groups[index]
-        got = outcome(self.fast.attach_shared, group, fast, layout)
-        expected = outcome(self.twin.attach_shared, group, twin, layout)
-        assert got[0] == expected[0], f"attach_shared({group}): fast {got} != twin {expected}"
-        if got[0] == "error":  # refused: nothing changed, the group stays for a later try
-            assert got == expected
+        got = outcome(partial(self.fast.attach_shared, reuse_cached=reuse), group, fast, layout)
+        expected = outcome(partial(self.twin.attach_shared, reuse_cached=reuse), group, twin, layout)
+        if not self.same_attach(got, expected, reuse):
             return multiple()
         del self.groups[index]
-        self.attach_kv(group, kvs)
+        self.attach_kv(group, kvs, got[1])
         return multiple(*group)
 
     @rule()

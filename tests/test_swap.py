@@ -43,6 +43,13 @@ def kv_of(t, seq_id):
     return t.cache.data[:, :, t.manager.page_table(seq_id)].copy()
 
 
+def forget_free_pages(t):
+    """Overwrite the hot pages in the pool (what swapped-out sequences left behind, anyone's next);
+    cached and held pages keep their KV, as they do."""
+    free = t.manager.allocator.free_pages()
+    t.cache.data[:, :, free] = 0 if t.cache.data.dtype != np.float32 else np.nan
+
+
 def snapshot(t):
     """Everything a failed call must leave as it was."""
     m = t.manager
@@ -65,7 +72,7 @@ def test_swap_round_trip_keeps_every_byte_through_forks_and_prefix_hits(tmp_path
     t.swap_out(["a", "b"])
     assert t.is_swapped("a") and "a" not in m and not t.is_ready("a")
     m.check()
-    t.cache.data[...] = 0 if dtype == "bfloat16" else np.nan   # the hot pages are gone for good
+    forget_free_pages(t)
     m.add_sequence("d", list(range(500, 520)))           # someone else takes hot pages meanwhile
     t.prefetch(["b", "a"])
     t.wait()
@@ -74,7 +81,11 @@ def test_swap_round_trip_keeps_every_byte_through_forks_and_prefix_hits(tmp_path
         np.testing.assert_array_equal(kv_of(t, seq_id), expected[seq_id])
         assert m.seq_len(seq_id) == expected[seq_id].shape[2] * 4 - (3 if seq_id == "a" else 2)
     assert t.tier.allocator.num_free == t.tier.num_pages  # the tier gave every page back
-    assert t.bytes_swapped_out == t.bytes_swapped_in > 0
+    # a's 3 full pages (b's first 2 among them) are cached, held by c: shared again, not copied
+    assert m.page_table("a")[:3].tolist() == m.page_table("c")[:3].tolist() == \
+        m.page_table("b")[:2].tolist() + [m.page_table("a")[2]]
+    page = t.cache.spec.bytes_per_page
+    assert (t.bytes_swapped_out, t.bytes_swapped_in) == (5 * page, 2 * page)
     m.append_tokens(["a"], [13])  # a continues where it stopped
     m.check()
 
@@ -95,15 +106,17 @@ def test_forks_swapped_together_share_their_pages_in_the_tier_and_back():
     t.swap_out(["a", "b", "c"])
     assert t.tier.allocator.num_used == 8               # each shared page once (was 24)
     assert t.tier.allocator.refcount(t._swapped["a"][1]).tolist() == [3] * 8
-    t.cache.data[...] = np.nan
+    forget_free_pages(t)
     t.prefetch(["a", "b"])                              # together: they share again
     t.wait()
     assert m.allocator.num_used - m.stats().pages_cached == 8
     assert m.page_table("a").tolist() == m.page_table("b").tolist()
-    t.prefetch(["c"])                                   # alone: a copy of its own
-    t.wait()
-    assert not set(m.page_table("c").tolist()) & set(m.page_table("a").tolist())
+    t.prefetch(["c"])                                   # alone: the 7 full pages from the prefix
+    t.wait()                                            # cache, its partial last page its own
+    c, a = m.page_table("c").tolist(), m.page_table("a").tolist()
+    assert c[:7] == a[:7] and c[7] != a[7]
     assert t.tier.allocator.num_free == t.tier.num_pages and hot_used == 8
+    assert t.bytes_swapped_in == 2 * t.cache.spec.bytes_per_page
     for seq_id in ("a", "b", "c"):
         np.testing.assert_array_equal(kv_of(t, seq_id), expected[seq_id])
     m.append("a", [30])                                 # a's last page is b's too: copied first
@@ -145,6 +158,7 @@ def test_prefetch_racing_with_appends_frees_and_swaps_corrupts_nothing():
     manager.add_sequence("long", rng.integers(0, 1000, 16 * 1000).tolist())  # 1000 pages: a long copy
     expected = fill(t, "long", rng)
     t.swap_out(["long"])
+    manager.clear_prefix_cache()  # its full pages leave the hot cache: the prefetch copies all back
     for s in range(20):
         manager.add_sequence(s, rng.integers(0, 1000, 30).tolist())
     others = {s: fill(t, s, rng) for s in range(20)}

@@ -196,6 +196,15 @@ def test_a_dropped_cache_frees_its_sequences(llama):
 
 
 # ------------------------------------------------------------------------------------ bad input
+def test_importing_the_integration_registers_its_attention_for_from_pretrained():
+    """``attn_implementation="pagekv"`` is known as soon as the module is imported (a fresh process:
+    no pool has registered it)."""
+    code = ("import pagekv.integrations.transformers; from transformers import AttentionInterface; "
+            "print('pagekv' in AttentionInterface().valid_keys())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]
+
+
 def test_pagekv_attention_without_a_paged_cache_says_so(llama):
     assert PagedKVPool(llama, num_pages=16).cache_keyword == CACHE
     ids, mask = left_padded([6], seed=10)

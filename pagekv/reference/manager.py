@@ -265,11 +265,11 @@ class ReferenceKVCacheManager:
         self.free(seq_id)
         return record
 
-    def attach(self, seq_id, record):
+    def attach(self, seq_id, record, reuse_cached=False):
         tokens, _ = record
-        return self.attach_shared([seq_id], [record], [list(range(self._pages(len(tokens))))])
+        return self.attach_shared([seq_id], [record], [list(range(self._pages(len(tokens))))], reuse_cached)
 
-    def attach_shared(self, seq_ids, records, page_indices):
+    def attach_shared(self, seq_ids, records, page_indices, reuse_cached=False):
         if len(set(seq_ids)) != len(seq_ids) or any(seq_id in self.tables for seq_id in seq_ids):
             raise ValueError(f"expected new, distinct seq_ids, got {seq_ids!r}")
         named = []
@@ -284,15 +284,26 @@ class ReferenceKVCacheManager:
             raise ValueError("expected every page index named")
         if len(self.tables) + len(seq_ids) > self.max_seqs:
             raise ValueError("expected at most max_seqs sequences")
-        fresh = self._take(len(set(named)), set())
-        extra = [page for i, page in enumerate(fresh) for _ in range(named.count(i) - 1)]
+        hits = {}  # page index -> cached page with the same prefix key (the first sequence naming it)
+        if reuse_cached and self.caching:
+            for (tokens, _), index in zip(records, page_indices):
+                for i, key in zip(index, prefix_keys(tokens, self.page_size)):
+                    if key in self.page_of and i not in hits:
+                        hits[i] = self.page_of[key]
+        count = len(set(named))
+        fresh = iter(self._take(count - len(hits), set(hits.values())))
+        pages = [hits[i] if i in hits else next(fresh) for i in range(count)]
+        self.lru = [p for p in self.lru if p not in hits.values()]
+        extra = [pages[i] for i in range(count) for _ in range(named.count(i) - (i not in hits))]
         if extra:  # a page named by k sequences holds k references
             self.allocator.incref(extra)
         for seq_id, (tokens, _), index in zip(seq_ids, records, page_indices):
-            self.tables[seq_id] = [fresh[i] for i in index]
+            self.tables[seq_id] = [pages[i] for i in index]
             self.tokens[seq_id] = list(tokens)
             self.offered[seq_id] = len(tokens) // self.page_size  # its full pages are not offered again
-        return list(fresh)
+        if reuse_cached:
+            return pages, [i not in hits for i in range(count)]
+        return pages
 
     def clear_prefix_cache(self):
         pages = list(self.key_of)
