@@ -101,7 +101,8 @@ class KVCacheManager:
     the KV of every slot that ``add_sequence``/``append``/``append_tokens`` handed out, before a
     forward pass reads them. Fork, truncate, free or detach a sequence only once its slots are
     written: a full page enters the prefix cache when it is handed out, and a copy-on-write copies
-    what a page holds. A queued copy holds a reference on its source until it is taken, so the
+    what a page holds. Slots that will not be written (a forward that failed) are taken back with
+    :meth:`discard`. A queued copy holds a reference on its source until it is taken, so the
     source is not handed out again (nor written by a second tier's restore or swap-in) before the
     copy runs; a queued copy into a page released before it runs is dropped. A new sequence's full
     prompt pages enter the prefix cache at once, so a second sequence with the same prompt in the
@@ -429,10 +430,42 @@ class KVCacheManager:
                 or not 1 <= num_tokens <= length):
             raise ValueError(f"expected num_tokens an integer in [1, {length}] (the tokens of "
                              f"{seq_id!r} to keep), got {num_tokens!r:.80}")
-        num_tokens = int(num_tokens)
-        self._release(self.block_table[row, self._num_pages(num_tokens):self._num_pages(length)])
-        self.seq_lens[row] = num_tokens
-        del self._page_keys[row][num_tokens // self.page_size:]
+        self._cut(row, int(num_tokens))
+
+    def discard(self, seq_id, num_written) -> None:
+        """Drop the tokens of ``seq_id`` past its first ``num_written``: tokens whose KV was never
+        written (a forward that failed before writing them). With 0 the sequence is freed.
+
+        As :meth:`truncate`, and the full pages the prefix cache took from those tokens when they
+        were handed out leave the cache: it would hand later prompts KV that is not there. Pages
+        the sequence found in the cache stay (their KV was written before).
+
+        Raises
+        ------
+        UnknownSequenceError
+            ``seq_id`` is not held.
+        ValueError
+            ``num_written`` is not an integer in [0, ``seq_len(seq_id)``]; nothing changed.
+        """
+        row = self._row(seq_id)
+        length = int(self.seq_lens[row])
+        if (isinstance(num_written, (bool, np.bool_)) or not isinstance(num_written, (int, np.integer))
+                or not 0 <= num_written <= length):
+            raise ValueError(f"expected num_written an integer in [0, {length}] (the tokens of "
+                             f"{seq_id!r} whose KV is written), got {num_written!r:.80}")
+        if self.prefix is not None:
+            first = int(num_written) // self.page_size
+            pages = self.block_table[row, first:len(self._page_keys[row])].tolist()
+            taken = [page for key, page in zip(self._page_keys[row][first:], pages)
+                     if self.prefix.page_of.get(key) == page]
+            for page in taken:
+                self.prefix.remove(page)
+            if taken:
+                self.allocator.decref(taken)  # the cache's references; the table still holds them
+        if num_written == 0:
+            self.free(seq_id)
+        else:
+            self._cut(row, int(num_written))
 
     def detach(self, seq_id) -> DetachedSequence:
         """Release ``seq_id``'s pages like :meth:`free`, keeping what :meth:`attach` needs.
@@ -785,6 +818,12 @@ class KVCacheManager:
         taken = [p for key, p in zip(keys, map(int, pages)) if insert(key, p)]
         if taken:
             self.allocator.incref(taken)
+
+    def _cut(self, row, num_tokens):
+        """Keep the first ``num_tokens`` (>= 1) tokens of ``row``; release its pages past them."""
+        self._release(self.block_table[row, self._num_pages(num_tokens):self._num_pages(self.seq_lens[row])])
+        self.seq_lens[row] = num_tokens
+        del self._page_keys[row][num_tokens // self.page_size:]
 
     def _slots(self, row, start, end):
         """int64 [end - start]: the slots of positions start .. end - 1 of ``row``."""

@@ -82,6 +82,11 @@ class PrefixCache:
         self.key_of[page] = key
         return True
 
+    def remove(self, page) -> None:
+        """Forget one cached page (the caller drops the cache's reference on it)."""
+        del self.page_of[self.key_of.pop(page)]
+        self.evictable.pop(page, None)
+
     def evict(self, count, *, keep=(), prefer=()):
         """Forget ``count`` evictable pages, except those in ``keep``, choosing runs of pages.
 

@@ -337,7 +337,7 @@ def _manager_calls():
         "add_sequence": dict(seq_id="c", token_ids=tokens), "append": dict(seq_id="a", token_ids=tokens),
         "append_tokens": dict(seq_ids=["a", "b"], token_ids=np.array([7, 8], np.int32)),
         "fork": dict(src_id="a", dst_id="c"), "free": dict(seq_id="a"), "detach": dict(seq_id="a"),
-        "truncate": dict(seq_id="a", num_tokens=5),
+        "truncate": dict(seq_id="a", num_tokens=5), "discard": dict(seq_id="a", num_written=3),
         "attach": dict(seq_id="c", record=DetachedSequence(3, tokens), reuse_cached=True),
         "attach_shared": dict(seq_ids=["c"], records=[DetachedSequence(3, tokens)],
                               page_indices=[np.array([0])], reuse_cached=False),
@@ -823,6 +823,48 @@ def test_attach_reusing_never_evicts_the_pages_it_reuses():
     pages, fresh = m.attach("a", record, reuse_cached=True)
     assert fresh.tolist() == [False, False, True] and pages[2] in x_pages
     assert len(m.prefix.evictable) == 1         # x's other page
+    m.check()
+
+
+def test_discard_takes_unwritten_pages_out_of_the_prefix_cache_and_keeps_the_hits():
+    """A prompt whose forward failed before writing its KV: its full pages entered the prefix cache
+    when handed out; discard takes them out (a later prompt must not hit KV that is not there),
+    while the pages it found in the cache stay cached."""
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(9)))
+    hit_pages = m.page_table("a")[:2].tolist()
+    assert m.add_sequence("b", list(range(8)) + [50, 51, 52, 53, 54]) == 8   # hits a's 2 pages
+    own = int(m.page_table("b")[2])                                        # full, cached, unwritten
+    m.discard("b", 8)
+    assert m.seq_len("b") == 8 and own not in m.prefix.key_of and m.allocator.is_free([own]).tolist() == [True]
+    assert all(page in m.prefix.key_of for page in hit_pages)
+    m.free("b")
+    assert m.add_sequence("c", list(range(8)) + [50, 51, 52, 53, 54]) == 8  # no hit on the third page
+    m.add_sequence("d", [70, 71, 72, 73, 74])
+    m.discard("d", 0)                                                      # nothing written: freed,
+    assert "d" not in m and len(m.prefix) == 3                             # its full page uncached
+    m.check()
+
+
+def test_discard_of_an_append_takes_out_the_page_it_filled_and_keeps_the_page_before():
+    """Tokens appended into a partly written page fill it (cached at once) and start another; the
+    forward fails: the filled page leaves the cache (its tail is unwritten), the written one stays."""
+    m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(6)))
+    def state():
+        return (m.page_table("a").tolist(), sorted(m.allocator.free_pages().tolist()),
+                dict(m.prefix.page_of), list(m.prefix.evictable), m.stats())
+
+    before = state()
+    m.append("a", [6, 7, 8])                    # fills page 1 (cached), starts page 2
+    filled = int(m.page_table("a")[1])
+    assert filled in m.prefix.key_of
+    m.discard("a", 6)
+    assert state() == before                    # as before the append
+    for bad in (-1, 7, 2.0, True):
+        with pytest.raises(ValueError, match=r"expected num_written an integer in \[0, 6\]"):
+            m.discard("a", bad)
+    assert state() == before
     m.check()
 
 

@@ -64,6 +64,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.groups = []  # (seq_ids, fast records, twin records, shared layout, their KV) detached together
         self.kv = np.full(num_pages * page_size, -1, np.int64)  # the token each of fast's slots holds
         self.unwritten = {}  # seq_id -> [(slot, token), ...] handed out and not written yet
+        self.added = set()  # sequences added since the last forward
 
     # ------------------------------------------------------------------ the engine's KV
     def forward(self):
@@ -81,7 +82,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for writes in self.unwritten.values():
             for slot, token in writes:
                 self.kv[slot] = token
-        self.unwritten = {}
+        self.unwritten, self.added = {}, set()
         for seq_id, tokens in self.twin.tokens.items():
             assert self.kv[self.slots(seq_id)].tolist() == tokens, f"sequence {seq_id} reads other KV"
 
@@ -97,7 +98,10 @@ class ManagerMachine(RuleBasedStateMachine):
         return table[positions // self.fast.page_size] * self.fast.page_size + positions % self.fast.page_size
 
     def handed_out(self, seq_id, slots, tokens):
+        """Slots to write at the next forward; until then they hold no token (-9: whatever a
+        fresh page holds), so reading one before its write shows."""
         self.unwritten.setdefault(seq_id, []).extend(zip(slots, tokens))
+        self.kv[slots] = -9
 
     def attach_kv(self, seq_ids, kvs, got):
         """A tier's swap-in: the KV is written at once into the fresh pages (with reuse_cached, not
@@ -130,6 +134,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.prompts.append(prompt)
             cached = self.value
             self.handed_out(seq_id, self.slots(seq_id, cached).tolist(), prompt[cached:])
+            self.added.add(seq_id)
             return seq_id
         return -1  # refused (no pages or rows): later rules see an unknown id
 
@@ -150,6 +155,16 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule()
     def run_forward(self):
         self.forward()
+
+    @rule()
+    def failed_forward(self):
+        """A forward that raised before writing, taken back as the transformers integration does:
+        each sequence keeps the tokens whose KV is written (discard), those it added are freed."""
+        for seq_id, writes in self.unwritten.items():
+            self.both("discard", seq_id, self.twin.seq_len(seq_id) - len(writes))
+            if seq_id in self.added and seq_id in self.twin.tables:
+                self.both("free", seq_id)
+        self.unwritten, self.added = {}, set()
 
     @rule(seq=seqs, data=st.data())
     def truncate(self, seq, data):

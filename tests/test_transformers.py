@@ -257,17 +257,76 @@ def test_bad_masks_change_nothing_and_padding_rows_wait_for_their_first_token(ll
     assert pool.stats().num_seqs == 2 and pool.stats().num_tokens == 1 + 10
 
 
-def test_running_out_of_pages_adds_no_sequence_and_loses_no_page(llama):
+def test_running_out_of_pages_adds_no_sequence_and_caches_no_unwritten_page(llama):
+    """Row 0 of the prompt forward gets its pages, row 1 does not: row 0 is taken back, and its
+    full page, cached when handed out but never written, leaves the prefix cache (the same prompt
+    later hit it and read zeros: logits off by 0.9)."""
     pool = PagedKVPool(llama, num_pages=3, page_size=16)
     ids, mask = left_padded([20, 20], seed=12)  # 2 pages each, 4 needed
     with pytest.raises(OutOfPagesError):
         pool.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
     stats = pool.stats()
-    # row 0 was added, then freed: its full page stays in the prefix cache (evictable), no page is held
-    assert stats.num_seqs == 0 and stats.pages_used == stats.pages_cached == 1
+    assert stats.num_seqs == 0 and stats.pages_used == stats.pages_cached == 0
     pool.manager.check()
-    ids, mask = left_padded([33], seed=13)  # 3 pages: the cached page is evicted for it
-    pool.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    ours = pool.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=3, **GREEDY)
+    pool.close()
+    assert_same_generation(ours, reference(llama, ids[:1], mask[:1], max_new_tokens=3), logits_atol=1e-5)
+
+
+def test_a_chunk_that_runs_out_of_pages_is_taken_back_and_the_cache_goes_on(llama):
+    """Chunked prefill: the second chunk fits row 0, not row 1. Row 0's chunk is cut back (its
+    filled page out of the prefix cache) and the cache is as before the chunk, still usable."""
+    pool = PagedKVPool(llama, num_pages=5, page_size=4)
+    ids, mask = left_padded([6, 6], seed=23)
+    more = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(24))
+    cache = pool.new_cache()
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})   # 2 pages each: 4 of 5
+        before = (pool.stats(), [pool.manager.page_table(s).tolist() for s in cache._seq_ids])
+        with pytest.raises(OutOfPagesError):
+            llama(input_ids=more, attention_mask=torch.ones(2, 14, dtype=mask.dtype), **{CACHE: cache})
+        assert (pool.stats(), [pool.manager.page_table(s).tolist() for s in cache._seq_ids]) == before
+        assert cache.get_seq_length() == 6
+        pool.manager.check()
+        got = llama(input_ids=more[:, :2], attention_mask=torch.ones(2, 8, dtype=mask.dtype),
+                    **{CACHE: cache}).logits
+    pool.close()
+    with torch.no_grad():
+        dense = DynamicCache(config=llama.config)
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: dense})
+        want = llama(input_ids=more[:, :2], attention_mask=torch.ones(2, 8, dtype=mask.dtype),
+                     **{CACHE: dense}).logits
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+
+
+def test_releasing_after_a_forward_that_raised_caches_none_of_its_pages(llama, monkeypatch):
+    """A forward that fails inside the model (here: writing layer 1's KV) leaves its pages half
+    written; release() takes its tokens back, so the same prompt later computes them afresh."""
+    import pagekv.integrations.transformers as integration
+
+    pool = PagedKVPool(llama, num_pages=16, page_size=4)
+    ids, mask = left_padded([13], seed=25)
+    calls = []
+    write = integration.write_kv
+
+    def failing_write(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a layer failed")
+        return write(*args)
+
+    monkeypatch.setattr(integration, "write_kv", failing_write)
+    cache = pool.new_cache()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="a layer failed"):
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+    with pytest.raises(PagekvError, match="expected the previous forward on this PagedCache to have finished"):
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+    cache.release()
+    assert pool.stats().pages_used == 0
+    monkeypatch.setattr(integration, "write_kv", write)
+    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=3, **GREEDY)
+    pool.close()
+    assert_same_generation(ours, reference(llama, ids, mask, max_new_tokens=3), logits_atol=1e-5)
 
 
 def test_beam_search_forks_rows_and_matches_sdpa(llama):

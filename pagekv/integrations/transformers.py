@@ -70,6 +70,9 @@ class _Step:
         Query rows of each batch row (prefill); None for a decode step (one token per row).
     real : bool [batch, q_len]
         Which of the forward's columns are tokens (not padding).
+    undo : list of (row, written, added)
+        How to take this forward's tokens back if it does not finish: each row it grew, the tokens
+        whose KV was in place before it (a new row's prefix-cache hit) and whether it added the row.
     """
 
     block_table: np.ndarray
@@ -79,6 +82,7 @@ class _Step:
     qo_indptr: np.ndarray | None
     page_size: int
     real: np.ndarray
+    undo: list
     _plans: dict = field(default_factory=dict)
 
     def decode_plan(self, sliding_window):
@@ -303,8 +307,8 @@ class PagedCache(Cache):
         self._columns = 0
         self._real: list = []  # per finished forward, bool [batch, q_len]: which columns are tokens
         self._step: _Step | None = None
-        self._failed = False
-        weakref.finalize(self, _free_sequences, pool.manager, self._seq_ids)
+        self._undo: list = []  # the unfinished forward's undo log (see _Step.undo)
+        weakref.finalize(self, _release_rows, pool.manager, self._seq_ids, self._undo)
 
     def __enter__(self) -> "PagedCache":
         return self
@@ -313,9 +317,10 @@ class PagedCache(Cache):
         self.release()
 
     def release(self) -> None:
-        """Free this cache's sequences (their full pages stay in the prefix cache); the cache is empty."""
-        _free_sequences(self.pool.manager, self._seq_ids)
-        self._columns, self._step, self._failed = 0, None, False
+        """Free this cache's sequences (their full pages stay in the prefix cache, except those of a
+        forward that raised, whose KV may not be there); the cache is empty."""
+        _release_rows(self.pool.manager, self._seq_ids, self._undo)
+        self._columns, self._step = 0, None
         self._real.clear()
 
     # ----------------------------------------------------------------- transformers' Cache API
@@ -460,7 +465,7 @@ class PagedCache(Cache):
     # ----------------------------------------------------------------- one forward
     def _begin(self, input_ids, attention_mask) -> _Step:
         """Grow the page tables by this forward's real tokens and describe them for the layers."""
-        if self._failed or self._step is not None:
+        if self._step is not None:
             raise PagekvError("expected the previous forward on this PagedCache to have finished, got one "
                               "that raised: release() the cache and start again")
         ids = input_ids.detach().cpu().numpy()
@@ -474,7 +479,9 @@ class PagedCache(Cache):
             self._seq_ids.extend([None] * batch)
         manager = self.pool.manager
         if q_len == 1 and real.all() and None not in self._seq_ids:  # decode: all rows or none
+            undo = [(row, manager.seq_len(seq_id), False) for row, seq_id in enumerate(self._seq_ids)]
             slots = manager.append_tokens(self._seq_ids, ids[:, 0])
+            self._undo[:] = undo
         else:
             slots = self._grow_rows(ids, real)
         src, dst = manager.take_pending_copies()
@@ -490,7 +497,7 @@ class PagedCache(Cache):
             query_rows=None if all_real else np.flatnonzero(real.ravel()),
             qo_indptr=None if q_len == 1 and all_real else np.concatenate(
                 [[0], np.cumsum(real.sum(axis=1))]).astype(np.int32),
-            page_size=manager.page_size, real=real)
+            page_size=manager.page_size, real=real, undo=self._undo)
         return self._step
 
     def _real_tokens(self, attention_mask, batch, q_len) -> np.ndarray:
@@ -507,37 +514,30 @@ class PagedCache(Cache):
         """Add or extend each row's sequence by its real tokens; int32 slots of those tokens in row
         order, -1 for tokens whose page the prefix cache supplied.
 
-        A forward that only adds sequences (the usual prompt forward) frees the ones it added when a
-        later row fails (e.g. OutOfPagesError): no sequence and no page is lost, though full pages
-        of the freed rows stay in the prefix cache, evictable. One that extends existing rows
-        (chunked prefill) may have grown some rows when a later one fails: the cache is marked
-        failed then (release it).
+        All or nothing: when a row fails (e.g. OutOfPagesError), the rows grown before it are taken
+        back (added ones freed, extended ones cut back), and none of their unwritten pages stays
+        in the prefix cache.
         """
         manager = self.pool.manager
-        added = []
-        only_adding = all(self._seq_ids[i] is None for i in np.flatnonzero(real.any(axis=1)))
         slots = []
-        self._failed = not only_adding
+        self._undo.clear()
         try:
-            for i in np.flatnonzero(real.any(axis=1)):
+            for i in np.flatnonzero(real.any(axis=1)).tolist():
                 tokens = ids[i][real[i]]
                 if self._seq_ids[i] is None:
                     seq_id = next(self.pool._ids)
                     hit = manager.add_sequence(seq_id, tokens)
                     self._seq_ids[i] = seq_id
-                    added.append(i)
+                    self._undo.append((i, hit, True))
                     row_slots = manager.batch([seq_id], num_new_tokens=len(tokens)).slot_mapping
                     row_slots[:hit] = -1  # pages shared from the prefix cache already hold this K/V
                 else:
+                    self._undo.append((i, manager.seq_len(self._seq_ids[i]), False))
                     row_slots = manager.append(self._seq_ids[i], tokens)
                 slots.append(row_slots)
         except BaseException:
-            if only_adding:
-                for i in added:
-                    manager.free(self._seq_ids[i])
-                    self._seq_ids[i] = None
+            _take_back(manager, self._seq_ids, self._undo)
             raise
-        self._failed = False
         return np.concatenate(slots) if slots else np.empty(0, np.int32)
 
     def _tables(self):
@@ -558,6 +558,14 @@ class PagedCache(Cache):
             self._columns += self._step.real.shape[1]
             self._real.append(self._step.real)
             self._step = None
+            self._undo.clear()
+
+
+def _release_rows(manager, seq_ids: list, undo: list) -> None:
+    """Free the rows' sequences after taking back the tokens of a forward that did not finish
+    (``undo``); empty both lists."""
+    _take_back(manager, seq_ids, undo)
+    _free_sequences(manager, seq_ids)
 
 
 def _free_sequences(manager, seq_ids: list) -> None:
@@ -566,6 +574,22 @@ def _free_sequences(manager, seq_ids: list) -> None:
         if seq_id is not None and seq_id in manager:
             manager.free(seq_id)
     seq_ids.clear()
+
+
+def _take_back(manager, seq_ids: list, undo: list) -> None:
+    """Undo one forward's growth of the rows (``undo``: (row, written, added), see ``_Step``): its
+    tokens' KV is not (wholly) written, so each row keeps only its ``written`` tokens, rows it
+    added are freed, and the prefix cache keeps none of the pages it handed out; empty ``undo``."""
+    for row, written, added in undo:
+        seq_id = seq_ids[row]
+        if seq_id is None or seq_id not in manager:
+            continue
+        manager.discard(seq_id, written)
+        if added:
+            if written:
+                manager.free(seq_id)
+            seq_ids[row] = None
+    undo.clear()
 
 
 register()

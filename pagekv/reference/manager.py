@@ -259,6 +259,22 @@ class ReferenceKVCacheManager:
         del table[keep:], tokens[num_tokens:]
         self.offered[seq_id] = min(self.offered[seq_id], num_tokens // self.page_size)
 
+    def discard(self, seq_id, num_written):
+        table = self._seq(seq_id)
+        tokens = self.tokens[seq_id]
+        if isinstance(num_written, bool) or not isinstance(num_written, int) or not 0 <= num_written <= len(tokens):
+            raise ValueError(f"expected num_written in [0, {len(tokens)}]")
+        keys = prefix_keys(tokens, self.page_size) if self.caching else []
+        for index in range(num_written // self.page_size, len(keys)):
+            page = table[index]
+            if self.page_of.get(keys[index]) == page:  # cached from this sequence's unwritten tokens
+                del self.page_of[keys[index]], self.key_of[page]
+                self.allocator.decref([page])
+        if num_written == 0:
+            self.free(seq_id)
+        else:
+            self.truncate(seq_id, num_written)
+
     def detach(self, seq_id):
         self._seq(seq_id)
         record = (list(self.tokens[seq_id]), self.offered[seq_id])
