@@ -299,13 +299,17 @@ def test_a_chunk_that_runs_out_of_pages_is_taken_back_and_the_cache_goes_on(llam
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
 
 
-def test_releasing_after_a_forward_that_raised_caches_none_of_its_pages(llama, monkeypatch):
+@pytest.mark.parametrize("failing", ["prompt", "decode"])
+def test_releasing_after_a_forward_that_raised_caches_none_of_its_pages(llama, monkeypatch, failing):
     """A forward that fails inside the model (here: writing layer 1's KV) leaves its pages half
-    written; release() takes its tokens back, so the same prompt later computes them afresh."""
+    written; release() takes its tokens back, so the same tokens later are computed afresh. The
+    decode token fills a page (cached when handed out), as the prompt fills three."""
     import pagekv.integrations.transformers as integration
 
     pool = PagedKVPool(llama, num_pages=16, page_size=4)
-    ids, mask = left_padded([13], seed=25)
+    ids, mask = left_padded([11], seed=25)
+    token = torch.tensor([[7]])
+    full, full_mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
     calls = []
     write = integration.write_kv
 
@@ -315,18 +319,21 @@ def test_releasing_after_a_forward_that_raised_caches_none_of_its_pages(llama, m
             raise RuntimeError("a layer failed")
         return write(*args)
 
-    monkeypatch.setattr(integration, "write_kv", failing_write)
     cache = pool.new_cache()
-    with torch.no_grad(), pytest.raises(RuntimeError, match="a layer failed"):
-        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
-    with pytest.raises(PagekvError, match="expected the previous forward on this PagedCache to have finished"):
-        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+    with torch.no_grad():
+        if failing == "decode":
+            llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+        monkeypatch.setattr(integration, "write_kv", failing_write)
+        with pytest.raises(RuntimeError, match="a layer failed"):
+            llama(input_ids=token if failing == "decode" else full, attention_mask=full_mask, **{CACHE: cache})
+        with pytest.raises(PagekvError, match="expected the previous forward on this PagedCache to have finished"):
+            llama(input_ids=token, attention_mask=full_mask, **{CACHE: cache})
     cache.release()
-    assert pool.stats().pages_used == 0
+    assert pool.stats().pages_used == pool.stats().pages_cached == (2 if failing == "decode" else 0)
     monkeypatch.setattr(integration, "write_kv", write)
-    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=3, **GREEDY)
+    ours = pool.generate(full, attention_mask=full_mask, max_new_tokens=3, **GREEDY)
     pool.close()
-    assert_same_generation(ours, reference(llama, ids, mask, max_new_tokens=3), logits_atol=1e-5)
+    assert_same_generation(ours, reference(llama, full, full_mask, max_new_tokens=3), logits_atol=1e-5)
 
 
 def test_beam_search_forks_rows_and_matches_sdpa(llama):
