@@ -112,15 +112,16 @@ def test_second_call_with_the_same_system_prompt_reuses_its_pages(llama):
     assert after.prefix_hit_tokens - before.prefix_hit_tokens == 3 * 48  # every row hit 3 pages
 
 
-def test_pages_hold_the_keys_and_values_transformers_computes(llama):
-    ids, mask = left_padded([5, 33, 20], seed=5)
+@pytest.mark.parametrize("lengths", [[5, 33, 20], [33, 5]])  # padding before and after a full row
+def test_pages_hold_the_keys_and_values_transformers_computes(llama, lengths):
+    ids, mask = left_padded(lengths, seed=5)
     dense = DynamicCache(config=llama.config)
     with torch.no_grad():
         llama(input_ids=ids, attention_mask=mask, **{CACHE: dense})
     pool = PagedKVPool(llama, num_pages=32, page_size=16)
     cache = pool.new_cache()
     with torch.no_grad():
-        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+        llama.model(ids, attention_mask=mask, **{CACHE: cache})  # the base model, input_ids by position
     assert cache.get_seq_length() == ids.shape[1]  # columns, padding included, as transformers counts
     tables = pool.manager.batch(cache._seq_ids)
     for layer in range(llama.config.num_hidden_layers):
@@ -179,8 +180,49 @@ def test_close_gives_the_model_back_to_sdpa(llama):
     pool = PagedKVPool(llama, num_pages=16)
     assert llama.config._attn_implementation == "pagekv"
     pool.close()
+    assert not llama.model._forward_pre_hooks and not llama.model._forward_hooks  # unhooked
     again = reference(llama, ids, mask, max_new_tokens=4)
     np.testing.assert_array_equal(again.sequences.numpy(), ref.sequences.numpy())
+
+
+def test_pool_defaults_and_a_table_no_longer_than_the_models_context(llama):
+    pool = PagedKVPool(llama, num_pages=1024)
+    assert (pool.manager.page_size, pool.manager.free_rows) == (16, 64)
+    assert pool.manager.max_pages_per_seq == 2048 // 16  # max_position_embeddings, not the pool
+
+
+def test_a_released_or_reset_cache_serves_a_new_batch_of_another_size(llama):
+    batches = [left_padded(lengths, seed=len(lengths)) for lengths in ([6, 9], [7, 3, 5], [4])]
+    with torch.no_grad():
+        expected = [llama(input_ids=ids, attention_mask=mask, **{CACHE: DynamicCache(config=llama.config)}).logits
+                    for ids, mask in batches]
+    pool = PagedKVPool(llama, num_pages=32, page_size=4)
+    cache = pool.new_cache()
+    for (ids, mask), want, end in zip(batches, expected, (cache.release, cache.reset, None)):
+        with torch.no_grad():
+            got = llama(input_ids=ids, attention_mask=mask, **{CACHE: cache}).logits
+            more = torch.ones(len(ids), 1, dtype=mask.dtype)
+            llama(input_ids=ids[:, :1], attention_mask=torch.cat([mask, more], 1), **{CACHE: cache})
+        cache.crop(-1)                          # by this batch's masks, not the last one's
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
+        assert cache.get_seq_length() == ids.shape[1] and pool.stats().num_tokens == mask.sum()
+        if end:
+            end()
+            assert cache.get_seq_length() == 0 and pool.stats().num_seqs == 0
+    pool.manager.check()
+
+
+def test_training_mode_is_refused_only_with_attention_dropout():
+    ids, mask = left_padded([5], seed=26)
+    for dropout in (0.0, 0.1):
+        model = tiny("llama", attention_dropout=dropout).train()
+        pool = PagedKVPool(model, num_pages=8, page_size=4)
+        with torch.no_grad():
+            if dropout:
+                with pytest.raises(PagekvError, match="expected inference .* got dropout=0.1 in training mode"):
+                    model(input_ids=ids, attention_mask=mask, **{CACHE: pool.new_cache()})
+            else:
+                model(input_ids=ids, attention_mask=mask, **{CACHE: pool.new_cache()})
 
 
 def test_a_dropped_cache_frees_its_sequences(llama):
@@ -228,6 +270,14 @@ def test_a_pool_larger_than_memory_is_refused_before_touching_it(llama):
                                           r"got 100000000 pages x"):
         PagedKVPool(llama, num_pages=10**8)
     assert llama.config._attn_implementation == "sdpa"
+
+
+def test_input_ids_not_batch_by_columns_are_refused(llama):
+    pool = PagedKVPool(llama, num_pages=16)
+    for ids in (torch.tensor([5, 6, 7]), torch.zeros((1, 0), dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"expected input_ids of shape \[batch, q_len >= 1\], got "):
+            llama.model(input_ids=ids, **{CACHE: pool.new_cache()})
+    assert pool.stats().pages_used == 0
 
 
 def test_inputs_embeds_only_is_refused(llama):
@@ -417,11 +467,20 @@ def test_row_operations_refuse_bad_input_and_need_rows_only_for_forks(llama):
         after = (list(cache._seq_ids), pool.stats(), cache._real)
         assert after[:2] == before[:2] and all((a == b).all() for a, b in zip(after[2], before[2]))
     first, second = cache._seq_ids
+    before = (list(cache._seq_ids), pool.stats())
+    cache.batch_repeat_interleave(1)            # each row once: nothing changes
+    assert (list(cache._seq_ids), pool.stats()) == before
     cache.reorder_cache([1, 1])   # one fork, into the row the dropped sequence frees first
     assert cache._seq_ids[0] == second and first not in pool.manager
     cache.batch_select_indices([1, 0, 0])
     assert cache._seq_ids[1] == second and pool.stats().num_seqs == 3
     pool.manager.check()
+    full = PagedKVPool(llama, num_pages=32, page_size=4, max_seqs=2)  # no row free at all
+    cache = full.new_cache()
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, **{CACHE: cache})
+    cache.reorder_cache([1, 1])                 # the dropped row's sequence makes room for the fork
+    assert full.stats().num_seqs == 2 and full.manager.free_rows == 0
 
 
 def noisy_copy(model, scale):
@@ -506,6 +565,8 @@ def test_crop_of_every_real_token_of_a_row_frees_its_sequence_until_its_next_tok
         pool.manager.check()
         llama(input_ids=ids[:, :2], attention_mask=torch.cat([mask, more], 1), **{CACHE: cache})
     assert [pool.manager.seq_len(s) for s in cache._seq_ids] == [2, 11]
+    cache.crop(-cache.get_seq_length())         # every column: every row freed
+    assert cache._seq_ids == [None, None] and pool.stats().num_seqs == 0 and cache.get_seq_length() == 0
 
 
 def test_the_example_runs_and_agrees_with_transformers():

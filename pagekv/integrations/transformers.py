@@ -228,8 +228,7 @@ class PagedKVPool:
         self.cache_keyword = ("cache" if "cache" in inspect.signature(model.base_model.forward).parameters
                               else "past_key_values")
         self._previous_attention = model.config._attn_implementation
-        register()
-        model.set_attn_implementation(ATTENTION)
+        model.set_attn_implementation(ATTENTION)  # registered when this module was imported
         base = model.base_model
         self._hooks = [base.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        base.register_forward_hook(self._after_forward)]
