@@ -120,8 +120,12 @@ def test_pages_hold_the_keys_and_values_transformers_computes(llama, lengths):
         llama(input_ids=ids, attention_mask=mask, **{CACHE: dense})
     pool = PagedKVPool(llama, num_pages=32, page_size=16)
     cache = pool.new_cache()
+    attended = []  # what the attention hands layer 0's output projection
+    hook = llama.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: attended.append(a[0]))
     with torch.no_grad():
         llama.model(ids, attention_mask=mask, **{CACHE: cache})  # the base model, input_ids by position
+    hook.remove()
+    assert (attended[0][mask == 0] == 0).all()  # padding positions get zeros, never a stale row
     assert cache.get_seq_length() == ids.shape[1]  # columns, padding included, as transformers counts
     tables = pool.manager.batch(cache._seq_ids)
     for layer in range(llama.config.num_hidden_layers):
