@@ -424,21 +424,17 @@ class KVCacheManager:
         ValueError
             ``num_tokens`` is not an integer in that range; nothing changed.
         """
-        row = self._row(seq_id)
-        length = int(self.seq_lens[row])
-        if (isinstance(num_tokens, (bool, np.bool_)) or not isinstance(num_tokens, (int, np.integer))
-                or not 1 <= num_tokens <= length):
-            raise ValueError(f"expected num_tokens an integer in [1, {length}] (the tokens of "
-                             f"{seq_id!r} to keep), got {num_tokens!r:.80}")
-        self._cut(row, int(num_tokens))
+        row, num_tokens = self._tokens_of(seq_id, num_tokens, "num_tokens", 1, "to keep")
+        self._cut(row, num_tokens)
 
     def discard(self, seq_id, num_written) -> None:
         """Drop the tokens of ``seq_id`` past its first ``num_written``: tokens whose KV was never
         written (a forward that failed before writing them). With 0 the sequence is freed.
 
         As :meth:`truncate`, and the full pages the prefix cache took from those tokens when they
-        were handed out leave the cache: it would hand later prompts KV that is not there. Pages
-        the sequence found in the cache stay (their KV was written before).
+        were handed out leave the cache: it would hand later prompts KV that is not there. For a
+        new sequence, ``num_written`` counts the tokens ``add_sequence`` found cached (their KV was
+        written before), so those pages stay cached.
 
         Raises
         ------
@@ -447,14 +443,9 @@ class KVCacheManager:
         ValueError
             ``num_written`` is not an integer in [0, ``seq_len(seq_id)``]; nothing changed.
         """
-        row = self._row(seq_id)
-        length = int(self.seq_lens[row])
-        if (isinstance(num_written, (bool, np.bool_)) or not isinstance(num_written, (int, np.integer))
-                or not 0 <= num_written <= length):
-            raise ValueError(f"expected num_written an integer in [0, {length}] (the tokens of "
-                             f"{seq_id!r} whose KV is written), got {num_written!r:.80}")
+        row, num_written = self._tokens_of(seq_id, num_written, "num_written", 0, "whose KV is written")
         if self.prefix is not None:
-            first = int(num_written) // self.page_size
+            first = num_written // self.page_size
             pages = self.block_table[row, first:len(self._page_keys[row])].tolist()
             taken = [page for key, page in zip(self._page_keys[row][first:], pages)
                      if self.prefix.page_of.get(key) == page]
@@ -465,7 +456,19 @@ class KVCacheManager:
         if num_written == 0:
             self.free(seq_id)
         else:
-            self._cut(row, int(num_written))
+            self._cut(row, num_written)
+
+    def _tokens_of(self, seq_id, count, name, low, meaning):
+        """(row, count as int) for a count of ``seq_id``'s first tokens in [low, its length];
+        UnknownSequenceError or ValueError ("expected <name> an integer in [low, L] (the tokens of
+        <seq_id> <meaning>)") otherwise."""
+        row = self._row(seq_id)
+        length = int(self.seq_lens[row])
+        if (isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer))
+                or not low <= count <= length):
+            raise ValueError(f"expected {name} an integer in [{low}, {length}] (the tokens of "
+                             f"{seq_id!r} {meaning}), got {count!r:.80}")
+        return row, int(count)
 
     def detach(self, seq_id) -> DetachedSequence:
         """Release ``seq_id``'s pages like :meth:`free`, keeping what :meth:`attach` needs.
