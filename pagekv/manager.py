@@ -4,9 +4,10 @@ The policy layer over :class:`pagekv.PageAllocator` (DESIGN.md §4). It decides 
 sequence gets; it never moves KV data (the caller runs ``write_kv`` at the returned slots and
 ``copy_pages`` for the pending copies) and never touches the allocator's bits.
 
-Reference counting: every page in a page table holds one reference per table, and a page in the
-prefix cache holds one more, owned by the cache. Invariant (checked by :meth:`check`):
-``refcount(page) == table references + (1 if cached)``.
+Reference counting: every page in a page table holds one reference per table, a page in the
+prefix cache holds one more, owned by the cache, and a queued copy-on-write copy holds one on its
+source until the caller takes it. Invariant (checked by :meth:`check`):
+``refcount(page) == table references + (1 if cached) + queued copies from it``.
 """
 
 from collections import Counter
@@ -458,18 +459,6 @@ class KVCacheManager:
         else:
             self._cut(row, num_written)
 
-    def _tokens_of(self, seq_id, count, name, low, meaning):
-        """(row, count as int) for a count of ``seq_id``'s first tokens in [low, its length];
-        UnknownSequenceError or ValueError ("expected <name> an integer in [low, L] (the tokens of
-        <seq_id> <meaning>)") otherwise."""
-        row = self._row(seq_id)
-        length = int(self.seq_lens[row])
-        if (isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer))
-                or not low <= count <= length):
-            raise ValueError(f"expected {name} an integer in [{low}, {length}] (the tokens of "
-                             f"{seq_id!r} {meaning}), got {count!r:.80}")
-        return row, int(count)
-
     def detach(self, seq_id) -> DetachedSequence:
         """Release ``seq_id``'s pages like :meth:`free`, keeping what :meth:`attach` needs.
 
@@ -684,6 +673,18 @@ class KVCacheManager:
             return self._rows[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequenceError(f"expected a held sequence id, got {seq_id!r}") from None
+
+    def _tokens_of(self, seq_id, count, name, low, meaning):
+        """(row, count as int) for a count of ``seq_id``'s first tokens in [low, its length];
+        UnknownSequenceError or ValueError ("expected <name> an integer in [low, L] (the tokens of
+        <seq_id> <meaning>)") otherwise."""
+        row = self._row(seq_id)
+        length = int(self.seq_lens[row])
+        if (isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer))
+                or not low <= count <= length):
+            raise ValueError(f"expected {name} an integer in [{low}, {length}] (the tokens of "
+                             f"{seq_id!r} {meaning}), got {count!r:.80}")
+        return row, int(count)
 
     def _rows_of(self, seq_ids: list) -> np.ndarray:
         """int64 [len(seq_ids)] rows, or UnknownSequenceError naming the first unknown id."""

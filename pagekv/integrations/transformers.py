@@ -427,7 +427,8 @@ class PagedCache(Cache):
             kept.add(row)
             seq_ids.append(seq_id)
         self._seq_ids[:] = seq_ids
-        self._real[:] = [real[sources] for real in self._real]
+        if self._real:  # one array for all forwards so far (beam search rearranges every step)
+            self._real[:] = [np.concatenate(self._real, axis=1)[sources]]
 
     def crop(self, tokens_to_remove):
         """Drop the last ``-tokens_to_remove`` columns (transformers' convention: a negative count;
