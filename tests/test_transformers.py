@@ -242,12 +242,14 @@ def test_a_dropped_cache_frees_its_sequences(llama):
 
 
 # ------------------------------------------------------------------------------------ bad input
-def test_importing_the_integration_registers_its_attention_for_from_pretrained():
+def test_importing_the_integration_registers_its_attention_for_from_pretrained(tmp_path):
     """``attn_implementation="pagekv"`` is known as soon as the module is imported (a fresh process:
-    no pool has registered it)."""
+    no pool has registered it; run outside the repository, whose source folder would shadow the
+    installed package)."""
     code = ("import pagekv.integrations.transformers; from transformers import AttentionInterface; "
             "print('pagekv' in AttentionInterface().valid_keys())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path)
     assert out.stdout.split() == ["True"]
 
 
