@@ -7,8 +7,9 @@ before it is visible: ``swap_out`` copies a sequence's pages to the tier and onl
 copy that writes only into those pages. Until :meth:`TieredKVCache.wait` (or ``is_ready``) says the
 copy is done, the caller must not read, fork, append to or truncate that sequence; every other
 sequence can be appended to, truncated, freed, swapped, or computed on meanwhile. A sequence is
-swapped out at rest: its slots written (the manager's contract), so no queued copy-on-write copy
-still has to fill one of its pages.
+swapped out at rest: its slots written (the manager's contract). ``swap_out`` runs the manager's
+queued copy-on-write copies first, as one of its pages may still wait for one (a sequence that
+``discard`` cut back keeps tokens that only the copy brings).
 """
 
 import threading
@@ -80,7 +81,8 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ swapping
     def swap_out(self, seq_ids) -> None:
-        """Move each sequence's KV to the tier and free its hot pages (all or none).
+        """Move each sequence's KV to the tier and free its hot pages (all or none). The
+        manager's queued copy-on-write copies run first (they leave its queue).
 
         Raises
         ------
@@ -107,6 +109,8 @@ class TieredKVCache:
         hot, indices = _distinct_pages(tables)
         cold = self._take_tier_pages(len(hot))
         _threads.start()
+        src, dst = self.manager.take_pending_copies()  # taken from the caller's queue: done here
+        _cache_ops.copy_across(self._hot, self._hot, src, dst)
         _cache_ops.copy_across(self._hot, self._cold, hot, cold)
         uses = np.bincount(np.concatenate(indices), minlength=len(hot))
         if (uses > 1).any():

@@ -7,8 +7,8 @@ answer and on every page table up to a renaming of page ids, and the invariants 
 The machine also plays the engine on the manager's pages, as its contract says: a forward runs the
 queued copies (in parallel: no page may be both a source and a destination) and then writes the
 token of every slot handed out since, and a sequence is forked, truncated, freed or detached only
-once its slots are written; an attach writes its KV into its fresh pages at once, as a second tier
-does. Copies may stay queued across many calls meanwhile. After each forward every sequence must
+once its slots are written; a detach runs the queued copies first and an attach writes its KV
+into its fresh pages at once, as a second tier does. Copies may stay queued across many calls meanwhile. After each forward every sequence must
 read back its own tokens.
 """
 
@@ -69,6 +69,17 @@ class ManagerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ the engine's KV
     def forward(self):
         """Run the queued copies, write every unwritten slot, and read every sequence back."""
+        self.run_copies()
+        for writes in self.unwritten.values():
+            for slot, token in writes:
+                self.kv[slot] = token
+        self.unwritten, self.added = {}, set()
+        for seq_id, tokens in self.twin.tokens.items():
+            assert self.kv[self.slots(seq_id)].tolist() == tokens, f"sequence {seq_id} reads other KV"
+
+    def run_copies(self):
+        """Take the queued copies (the same in fast and twin, up to the renaming) and run them as
+        copy_pages does, all at once: no page may be both a source and a destination."""
         src, dst = self.fast.take_pending_copies()
         expected = self.twin.take_pending_copies()
         rename = self.renaming()
@@ -79,12 +90,6 @@ class ManagerMachine(RuleBasedStateMachine):
         ps = self.fast.page_size
         pages = self.kv.reshape(-1, ps)
         pages[dst] = pages[src]
-        for writes in self.unwritten.values():
-            for slot, token in writes:
-                self.kv[slot] = token
-        self.unwritten, self.added = {}, set()
-        for seq_id, tokens in self.twin.tokens.items():
-            assert self.kv[self.slots(seq_id)].tolist() == tokens, f"sequence {seq_id} reads other KV"
 
     def settle(self, seq_id):
         """The contract: a sequence with slots handed out is forked, truncated, freed or detached
@@ -180,6 +185,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.settle(src)
         return dst if self.both("fork", src, dst) else -1
 
+    @rule(target=seqs, src=consumes(seqs), token=st.integers(0, 3))
+    def branch_and_drop(self, src, token):
+        """A fork appended to (its shared partial page copied: a queued copy) and its source freed
+        before the copies run: the copy's source has no table left, only the copy's reference."""
+        dst = self.fork(src)
+        if dst != -1:
+            self.append(dst, [token])
+            self.both("free", src)
+        return dst
+
     @rule(seq=consumes(seqs))
     def free(self, seq):
         self.settle(seq)
@@ -189,6 +204,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def detach(self, seq):
         """Swap-out bookkeeping: the sequence leaves its pages and keeps a record of itself."""
         self.settle(seq)
+        self.run_copies()  # as TieredKVCache.swap_out does: a page may still wait for its copy
         kv = self.kv[self.slots(seq)] if seq in self.twin.tables else None
         records = []
         for manager in (self.fast, self.twin):
@@ -240,6 +256,7 @@ class ManagerMachine(RuleBasedStateMachine):
                            if others else [])
         for seq in group:
             self.settle(seq)
+        self.run_copies()
         layout = shared_layout([self.fast.page_table(seq) for seq in group])
         assert layout == shared_layout([self.twin.tables[seq] for seq in group])
         kvs = [self.kv[self.slots(seq)] for seq in group]

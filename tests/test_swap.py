@@ -125,6 +125,29 @@ def test_forks_swapped_together_share_their_pages_in_the_tier_and_back():
     m.check()
 
 
+def test_swap_out_runs_the_queued_copies_first():
+    """A fork appended to (its shared partial page copied: a queued copy) and then cut back with
+    discard (its forward failed) keeps tokens that only the copy brings; swapped out before the
+    caller runs the copies, it still takes them along."""
+    rng = np.random.default_rng(6)
+    t = tiered()
+    m = t.manager
+    m.add_sequence("a", list(range(6)))                 # a full page and 2 tokens
+    kv = fill(t, "a", rng)
+    m.fork("a", "b")
+    m.append("b", [60])                                 # b's copy of the partial page is queued
+    m.discard("b", 6)
+    t.swap_out(["b"])
+    assert [x.tolist() for x in m.take_pending_copies()] == [[], []]  # run, and gone from the queue
+    forget_free_pages(t)
+    t.prefetch(["b"])
+    t.wait()
+    got = kv_of(t, "b")
+    np.testing.assert_array_equal(got[:, :, 0], kv[:, :, 0])
+    np.testing.assert_array_equal(got[:, :, 1, :, :2], kv[:, :, 1, :, :2])
+    m.check()
+
+
 def test_swap_failures_change_nothing():
     t = tiered(hot_pages=12, tier_pages=3)
     m = t.manager
