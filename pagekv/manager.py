@@ -584,9 +584,8 @@ class KVCacheManager:
         pages = np.empty(len(uses), np.int32)
         pages[fresh] = self._take_pages(int(fresh.sum()), keep=set(hits.values()))
         pages[list(hits)] = list(hits.values())
-        if hits:
-            for page in hits.values():
-                self.prefix.evictable.pop(page, None)
+        for page in hits.values():  # held by the tables now: no longer evictable
+            self.prefix.evictable.pop(page, None)
         if (uses > fresh).any():  # an allocation holds one reference: a page needs one per use
             self.allocator.incref(np.repeat(pages, uses - fresh))
         for seq_id, record, index, chain in zip(seq_ids, records, indices, keys):
