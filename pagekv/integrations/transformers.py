@@ -70,9 +70,6 @@ class _Step:
         Query rows of each batch row (prefill); None for a decode step (one token per row).
     real : bool [batch, q_len]
         Which of the forward's columns are tokens (not padding).
-    undo : list of (row, written, added)
-        How to take this forward's tokens back if it does not finish: each row it grew, the tokens
-        whose KV was in place before it (a new row's prefix-cache hit) and whether it added the row.
     """
 
     block_table: np.ndarray
@@ -82,7 +79,6 @@ class _Step:
     qo_indptr: np.ndarray | None
     page_size: int
     real: np.ndarray
-    undo: list
     _plans: dict = field(default_factory=dict)
 
     def decode_plan(self, sliding_window):
@@ -306,7 +302,10 @@ class PagedCache(Cache):
         self._columns = 0
         self._real: list = []  # per finished forward, bool [batch, q_len]: which columns are tokens
         self._step: _Step | None = None
-        self._undo: list = []  # the unfinished forward's undo log (see _Step.undo)
+        # How to take the forward under way back if it does not finish: (row, written, added) for
+        # each row it grew - the tokens whose KV was in place before it (a new row's prefix-cache
+        # hit) and whether it added the row. Emptied when the forward finishes.
+        self._undo: list = []
         weakref.finalize(self, _release_rows, pool.manager, self._seq_ids, self._undo)
 
     def __enter__(self) -> "PagedCache":
@@ -497,7 +496,7 @@ class PagedCache(Cache):
             query_rows=None if all_real else np.flatnonzero(real.ravel()),
             qo_indptr=None if q_len == 1 and all_real else np.concatenate(
                 [[0], np.cumsum(real.sum(axis=1))]).astype(np.int32),
-            page_size=manager.page_size, real=real, undo=self._undo)
+            page_size=manager.page_size, real=real)
         return self._step
 
     def _real_tokens(self, attention_mask, batch, q_len) -> np.ndarray:
@@ -577,9 +576,10 @@ def _free_sequences(manager, seq_ids: list) -> None:
 
 
 def _take_back(manager, seq_ids: list, undo: list) -> None:
-    """Undo one forward's growth of the rows (``undo``: (row, written, added), see ``_Step``): its
-    tokens' KV is not (wholly) written, so each row keeps only its ``written`` tokens, rows it
-    added are freed, and the prefix cache keeps none of the pages it handed out; empty ``undo``."""
+    """Undo one forward's growth of the rows (``undo``: (row, written, added), as PagedCache._undo
+    says): its tokens' KV is not (wholly) written, so each row keeps only its ``written`` tokens,
+    rows it added are freed, and the prefix cache keeps none of the pages it handed out; empty
+    ``undo``."""
     for row, written, added in undo:
         seq_id = seq_ids[row]
         if seq_id is None or seq_id not in manager:
