@@ -100,9 +100,10 @@ class KVCacheManager:
     -----
     Contract with the caller, each step: run the copies ``take_pending_copies`` returns, then write
     the KV of every slot that ``add_sequence``/``append``/``append_tokens`` handed out, before a
-    forward pass reads them. Fork, truncate, free or detach a sequence only once its slots are
-    written: a full page enters the prefix cache when it is handed out, and a copy-on-write copies
-    what a page holds. Slots that will not be written (a forward that failed) are taken back with
+    forward pass reads them; ``take_pending_copies`` is called once a step, right before its
+    forward (it marks where a step begins). Fork, truncate, free or detach a sequence only once
+    its slots are written: a full page enters the prefix cache when it is handed out, and a
+    copy-on-write copies what a page holds. Slots that will not be written (a forward that failed) are taken back with
     :meth:`discard`. A queued copy holds a reference on its source until it is taken, so the
     source is not handed out again (nor written by a second tier's restore or swap-in) before the
     copy runs; a queued copy into a page released before it runs is dropped. A new sequence's full
@@ -151,6 +152,11 @@ class KVCacheManager:
         # Queued copy-on-write copies, dst -> src in queue order; each src keeps a reference
         # (the one the copying table gave up) until the copies are taken.
         self._pending: dict[int, int] = {}
+        # Steps begun (take_pending_copies calls), and for each page the step whose forward writes
+        # its KV if it entered the prefix cache when handed out (-1: its KV was there when cached).
+        # attach(reuse_cached=True) leaves pages of the coming step alone: that forward may fail.
+        self._steps = 0
+        self._cached_in_step = np.full(num_pages, -1, np.int64)
         # Called as on_evict(keys, pages) just before cached pages are evicted (their KV is still
         # there): a second tier can keep them (pagekv.swap.TieredKVCache sets it).
         self.on_evict = None
@@ -258,10 +264,43 @@ class KVCacheManager:
             waits for its own copy reads that copy's source), so the copies can run in parallel.
         """
         pending, self._pending = self._pending, {}
+        self._steps += 1
         dst = np.fromiter(pending.keys(), np.int32, len(pending))
         src = np.fromiter(pending.values(), np.int32, len(pending))
         self._let_go(src)
         return src, dst
+
+    def kv_sources(self, pages) -> np.ndarray:
+        """Where the KV of ``pages`` is now: for a page waiting for a queued copy-on-write copy,
+        that copy's source (it holds everything the page will hold: no slot of it is written
+        before the copy runs), for any other page the page itself. The queue is left as it is.
+
+        For reading a sequence's KV between steps (a second tier's swap-out) without running the
+        copies ahead of the step that takes them.
+
+        Parameters
+        ----------
+        pages : int array [n]
+            Page ids in [0, num_pages).
+
+        Returns
+        -------
+        int32 [n]
+
+        Raises
+        ------
+        InvalidPageError
+            A page id outside the pool.
+        """
+        pages = np.asarray(pages)
+        if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
+            raise ValueError(f"expected a 1-D array of page ids, got {pages!r:.80}")
+        bad = (pages < 0) | (pages >= self.allocator.num_pages)
+        if bad.any():
+            raise InvalidPageError(f"expected page ids in [0, {self.allocator.num_pages}), "
+                                   f"got {int(pages[bad][0])}")
+        pending = self._pending
+        return np.array([pending.get(page, page) for page in pages.tolist()], np.int32)
 
     # ------------------------------------------------------------------ actions
     def add_sequence(self, seq_id, token_ids) -> int:
@@ -434,8 +473,9 @@ class KVCacheManager:
 
         As :meth:`truncate`, and the full pages the prefix cache took from those tokens when they
         were handed out leave the cache: it would hand later prompts KV that is not there. For a
-        new sequence, ``num_written`` counts the tokens ``add_sequence`` found cached (their KV was
-        written before), so those pages stay cached.
+        new sequence, ``num_written`` may count the tokens ``add_sequence`` found cached if they
+        were cached before the failed step; pages another sequence of that step was to write hold
+        nothing, so a sequence added in the failed step is best freed (0).
 
         Raises
         ------
@@ -514,7 +554,9 @@ class KVCacheManager:
         reuse_cached : bool
             Take a full page whose prefix key is still cached (a shared prompt, or the sequence's
             own pages the cache kept) instead of a fresh one: it holds the KV already, so less is
-            copied back and the page is shared again. Needs prefix caching to find any.
+            copied back and the page is shared again. Needs prefix caching to find any. A page
+            handed out since the last :meth:`take_pending_copies` is not taken: its KV comes with
+            the coming forward, and if that fails (:meth:`discard`), with nothing.
 
         Returns
         -------
@@ -577,7 +619,7 @@ class KVCacheManager:
             page_of = self.prefix.page_of
             for chain, index in zip(keys, indices):
                 for i, key in zip(index.tolist(), chain):
-                    if key in page_of:
+                    if key in page_of and self._cached_in_step[page_of[key]] != self._steps:
                         hits.setdefault(i, page_of[key])
         fresh = np.ones(len(uses), bool)
         fresh[list(hits)] = False
@@ -627,6 +669,7 @@ class KVCacheManager:
         for key, page in zip(keys, pages.tolist()):
             self.prefix.insert(key, page)  # the allocation's reference becomes the cache's
             self.prefix.evictable[page] = None
+        self._cached_in_step[pages] = -1  # the caller copies their KV in at once
         return pages
 
     def clear_prefix_cache(self) -> None:
@@ -821,6 +864,7 @@ class KVCacheManager:
         taken = [p for key, p in zip(keys, map(int, pages)) if insert(key, p)]
         if taken:
             self.allocator.incref(taken)
+            self._cached_in_step[taken] = self._steps
 
     def _cut(self, row, num_tokens):
         """Keep the first ``num_tokens`` (>= 1) tokens of ``row``; release its pages past them."""

@@ -7,9 +7,10 @@ before it is visible: ``swap_out`` copies a sequence's pages to the tier and onl
 copy that writes only into those pages. Until :meth:`TieredKVCache.wait` (or ``is_ready``) says the
 copy is done, the caller must not read, fork, append to or truncate that sequence; every other
 sequence can be appended to, truncated, freed, swapped, or computed on meanwhile. A sequence is
-swapped out at rest: its slots written (the manager's contract). ``swap_out`` runs the manager's
-queued copy-on-write copies first, as one of its pages may still wait for one (a sequence that
-``discard`` cut back keeps tokens that only the copy brings).
+swapped out at rest: its slots written (the manager's contract). A page of it may still wait for
+a queued copy-on-write copy (a sequence that ``discard`` cut back keeps tokens that only the copy
+brings): ``swap_out`` reads such a page's KV from the copy's source and leaves the queue to the
+step that takes it.
 """
 
 import threading
@@ -81,8 +82,7 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ swapping
     def swap_out(self, seq_ids) -> None:
-        """Move each sequence's KV to the tier and free its hot pages (all or none). The
-        manager's queued copy-on-write copies run first (they leave its queue).
+        """Move each sequence's KV to the tier and free its hot pages (all or none).
 
         Raises
         ------
@@ -109,9 +109,8 @@ class TieredKVCache:
         hot, indices = _distinct_pages(tables)
         cold = self._take_tier_pages(len(hot))
         _threads.start()
-        src, dst = self.manager.take_pending_copies()  # taken from the caller's queue: done here
-        _cache_ops.copy_across(self._hot, self._hot, src, dst)
-        _cache_ops.copy_across(self._hot, self._cold, hot, cold)
+        # a page still waiting for its copy-on-write copy holds nothing yet: read the copy's source
+        _cache_ops.copy_across(self._hot, self._cold, self.manager.kv_sources(hot), cold)
         uses = np.bincount(np.concatenate(indices), minlength=len(hot))
         if (uses > 1).any():
             self.tier.allocator.incref(np.repeat(cold, uses - 1))

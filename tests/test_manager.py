@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from pagekv import (KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, UnknownSequenceError,
-                    attention)
+from pagekv import (InvalidPageError, KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError,
+                    UnknownSequenceError, attention)
 from pagekv import _arrays
 from pagekv.errors import InvariantError
 from pagekv.manager import DetachedSequence
@@ -794,6 +794,7 @@ def test_attach_shared_reuses_a_page_full_for_one_sequence_and_partial_for_anoth
     take it back from the cache, and b's next token copies it first, a cached page being shared."""
     m = KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
     m.add_sequence("a", list(range(9)))
+    m.take_pending_copies()                     # a step: its forward writes a's KV
     m.fork("a", "b")
     m.truncate("b", 6)
     cached = m.page_table("a")[:2].tolist()
@@ -812,6 +813,7 @@ def test_attach_reusing_never_evicts_the_pages_it_reuses():
     none to evict it refuses and changes nothing."""
     m = KVCacheManager(num_pages=4, page_size=4, max_seqs=4, max_pages_per_seq=8)
     m.add_sequence("a", list(range(9)))         # 2 full pages + 1 partial
+    m.take_pending_copies()                     # a step: its forward writes a's KV
     record = m.detach("a")
     m.add_sequence("x", list(range(100, 108)))  # the 2 free pages, full (cached)
     before = snapshot(m)
@@ -824,6 +826,66 @@ def test_attach_reusing_never_evicts_the_pages_it_reuses():
     assert fresh.tolist() == [False, False, True] and pages[2] in x_pages
     assert len(m.prefix.evictable) == 1         # x's other page
     m.check()
+
+
+def test_attach_leaves_alone_a_cached_page_whose_kv_the_coming_forward_writes():
+    """A full page enters the prefix cache when handed out; its KV comes with the step's forward.
+    An attach before that forward copies the page fresh instead of sharing it: if the forward
+    fails, discard takes the page's tokens back and nothing ever writes it. Once the step has
+    begun (take_pending_copies), later attaches share it."""
+    e = Engine(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    e.add("a", [0, 1, 2, 3, 0])
+    record = e.m.detach("a")
+    e.m.clear_prefix_cache()
+    e.m.add_sequence("b", [0, 1, 2, 3, 0])       # the same first page, handed out and cached again
+    b_page = int(e.m.page_table("b")[0])
+    pages, fresh = e.m.attach("a", record, reuse_cached=True)
+    assert fresh.tolist() == [True, True] and b_page not in pages.tolist()
+    kv = np.array([[[v, -v]] for v in (0, 1, 2, 3, 0)], np.float32)  # the tier's copy
+    attention.write_kv(kv, kv, e.cache.k(0), e.cache.v(0), e.m.batch(["a"], num_new_tokens=5).slot_mapping)
+    e.m.discard("b", 0)                         # b's forward failed: its page holds nothing
+    e.verify()                                  # a reads its own KV
+    e.add("b", [0, 1, 2, 3, 0])                 # a step runs b's forward
+    e.m.check()
+    record = e.m.detach("a")
+    pages, fresh = e.m.attach("a", record, reuse_cached=True)
+    assert fresh.tolist() == [False, True] and pages[0] == e.m.page_table("b")[0]
+
+
+def test_attach_reuses_a_restored_page_in_the_step_it_came_back():
+    """restore_cached's pages hold their KV at once (the tier copies it in): attach reuses them in
+    the same step, even on a page last handed out (and discarded) in that step."""
+    m = KVCacheManager(num_pages=4, page_size=4, max_seqs=4, max_pages_per_seq=4)
+    m.add_sequence("a", [0, 1, 2, 3, 0])
+    m.take_pending_copies()
+    key = chain_keys(np.array([0, 1, 2, 3]), 4)[0]
+    record = m.detach("a")
+    m.clear_prefix_cache()
+    m.add_sequence("x", [0, 1, 2, 3, 0])         # cached when handed out in this step
+    page = int(m.page_table("x")[0])
+    m.discard("x", 0)                           # its forward failed
+    restored = m.restore_cached([key])
+    assert restored.tolist() == [page]          # the same page, back from a tier
+    pages, fresh = m.attach("a", record, reuse_cached=True)
+    assert fresh.tolist() == [False, True] and pages[0] == page
+    m.check()
+
+
+def test_kv_sources_name_the_queued_copys_source_and_leave_the_queue():
+    m = KVCacheManager(num_pages=8, page_size=4, max_seqs=4, max_pages_per_seq=4)
+    m.add_sequence("a", list(range(6)))
+    m.fork("a", "b")
+    m.append("b", [9])                          # b's partial page waits for its copy
+    a, b = m.page_table("a"), m.page_table("b")
+    assert m.kv_sources(b).tolist() == a.tolist() and m.kv_sources(a).tolist() == a.tolist()
+    assert m.kv_sources(np.zeros(0, np.int32)).tolist() == []
+    for pages, error in (([8], InvalidPageError), ([-1], InvalidPageError), ([[0]], ValueError),
+                         ([0.5], ValueError)):
+        with pytest.raises(error, match="expected"):
+            m.kv_sources(np.array(pages))
+    src, dst = m.take_pending_copies()
+    assert src.tolist() == [a[1]] and dst.tolist() == [b[1]]
+    assert m.kv_sources(b).tolist() == b.tolist()
 
 
 def test_discard_takes_unwritten_pages_out_of_the_prefix_cache_and_keeps_the_hits():

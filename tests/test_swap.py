@@ -30,7 +30,10 @@ def tiered(*, hot_pages=32, tier_pages=32, dtype="float32", path=None, max_seqs=
 
 
 def fill(t, seq_id, rng):
-    """Random bytes in every page of ``seq_id`` (all layers, K and V); returns its KV [L, 2, n, ...]."""
+    """A step's forward: the step begins (``take_pending_copies``; these tests queue no copies
+    before it, so a copy the step drops would show) and random bytes go in every page of
+    ``seq_id`` (all layers, K and V); returns its KV [L, 2, n, ...]."""
+    assert [x.tolist() for x in t.manager.take_pending_copies()] == [[], []]
     table = t.manager.page_table(seq_id)
     data = t.cache.data
     shape = data[:, :, table].shape
@@ -125,20 +128,25 @@ def test_forks_swapped_together_share_their_pages_in_the_tier_and_back():
     m.check()
 
 
-def test_swap_out_runs_the_queued_copies_first():
+def test_swap_out_reads_a_page_that_waits_for_its_copy_from_the_source():
     """A fork appended to (its shared partial page copied: a queued copy) and then cut back with
     discard (its forward failed) keeps tokens that only the copy brings; swapped out before the
-    caller runs the copies, it still takes them along."""
+    step runs the copies, it takes them along from the copy's source, and the other copies stay
+    queued for that step (taking them there would end the step early: see test_manager's reuse
+    tests)."""
     rng = np.random.default_rng(6)
     t = tiered()
     m = t.manager
     m.add_sequence("a", list(range(6)))                 # a full page and 2 tokens
     kv = fill(t, "a", rng)
     m.fork("a", "b")
+    m.fork("a", "c")
     m.append("b", [60])                                 # b's copy of the partial page is queued
+    m.append("c", [61])                                 # and c's
     m.discard("b", 6)
     t.swap_out(["b"])
-    assert [x.tolist() for x in m.take_pending_copies()] == [[], []]  # run, and gone from the queue
+    src, dst = m.take_pending_copies()                  # c's copy only: b's went with its page
+    assert src.tolist() == [m.page_table("a")[1]] and dst.tolist() == [m.page_table("c")[1]]
     forget_free_pages(t)
     t.prefetch(["b"])
     t.wait()

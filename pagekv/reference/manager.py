@@ -41,6 +41,8 @@ class ReferenceKVCacheManager:
         self.key_of: dict = {}       # page -> key
         self.lru: list = []          # pages held only by the cache, least recently released first
         self.pending: dict = {}      # dst -> src of each queued copy; each src holds a reference
+        self.steps = 0               # take_pending_copies calls
+        self.cached_in_step: dict = {}  # page -> the step it was cached in when handed out
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -113,6 +115,7 @@ class ReferenceKVCacheManager:
             if keys[index] not in self.page_of and page not in self.key_of:
                 self.page_of[keys[index]] = page
                 self.key_of[page] = keys[index]
+                self.cached_in_step[page] = self.steps
                 self.allocator.incref([page])
         self.offered[seq_id] = len(keys)
 
@@ -304,8 +307,9 @@ class ReferenceKVCacheManager:
         if reuse_cached and self.caching:
             for (tokens, _), index in zip(records, page_indices):
                 for i, key in zip(index, prefix_keys(tokens, self.page_size)):
-                    if key in self.page_of and i not in hits:
-                        hits[i] = self.page_of[key]
+                    if key in self.page_of and i not in hits \
+                            and self.cached_in_step[self.page_of[key]] != self.steps:
+                        hits[i] = self.page_of[key]  # not one whose KV the coming forward writes
         count = len(set(named))
         fresh = iter(self._take(count - len(hits), set(hits.values())))
         pages = [hits[i] if i in hits else next(fresh) for i in range(count)]
@@ -331,8 +335,12 @@ class ReferenceKVCacheManager:
 
     def take_pending_copies(self):
         pairs, self.pending = [(src, dst) for dst, src in self.pending.items()], {}
+        self.steps += 1
         self._let_go([src for src, _ in pairs])
         return pairs
+
+    def kv_sources(self, pages):
+        return [self.pending.get(page, page) for page in pages]
 
     def seq_len(self, seq_id):
         self._seq(seq_id)
