@@ -227,7 +227,7 @@ class PagedKVPool:
         model.set_attn_implementation(ATTENTION)  # registered when this module was imported
         base = model.base_model
         self._hooks = [base.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-                       base.register_forward_hook(self._after_forward)]
+                       base.register_forward_hook(self._after_forward, always_call=True)]
 
     def new_cache(self) -> "PagedCache":
         """An empty cache for one batch of prompts; pass it to ``generate`` under ``cache_keyword``."""
@@ -272,8 +272,12 @@ class PagedKVPool:
         return args, kwargs
 
     def _after_forward(self, module, args, output):
+        """Also called when the forward raised (an Exception: output None), to take it back."""
         if self._running is not None:
-            self._running._finish()
+            if output is None:
+                self._running._undo_forward()
+            else:
+                self._running._finish()
             self._running = None
 
 
@@ -286,7 +290,10 @@ class PagedCache(Cache):
     One cache serves one batch (one ``generate`` call): its first forward adds one pagekv sequence
     per batch row (padding excluded; prompt pages found in the prefix cache are shared, not
     written), later forwards append to them. :meth:`release` (or leaving a ``with`` block, or
-    garbage collection) frees the sequences; their full pages stay in the prefix cache.
+    garbage collection) frees the sequences; their full pages stay in the prefix cache. A forward
+    that raises is taken back as it raises (one interrupted by KeyboardInterrupt, which torch's
+    hooks do not see, at the next forward or release): the cache is as it was before it, and the
+    forward can be run again.
 
     ``get_seq_length`` counts columns (padding included), as transformers expects. Reordering
     (beam search), selecting and repeating rows (``batch_select_indices``,
@@ -316,7 +323,7 @@ class PagedCache(Cache):
 
     def release(self) -> None:
         """Free this cache's sequences (their full pages stay in the prefix cache, except those of a
-        forward that raised, whose KV may not be there); the cache is empty."""
+        forward that was interrupted, whose KV may not be there); the cache is empty."""
         _release_rows(self.pool.manager, self._seq_ids, self._undo)
         self._columns, self._step = 0, None
         self._real.clear()
@@ -464,9 +471,8 @@ class PagedCache(Cache):
     # ----------------------------------------------------------------- one forward
     def _begin(self, input_ids, attention_mask) -> _Step:
         """Grow the page tables by this forward's real tokens and describe them for the layers."""
-        if self._step is not None:
-            raise PagekvError("expected the previous forward on this PagedCache to have finished, got one "
-                              "that raised: release() the cache and start again")
+        if self._step is not None:  # the last forward was interrupted (KeyboardInterrupt)
+            self._undo_forward()
         ids = input_ids.detach().cpu().numpy()
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"expected input_ids of shape [batch, q_len >= 1], got {tuple(ids.shape)}")
@@ -535,7 +541,7 @@ class PagedCache(Cache):
                     row_slots = manager.append(self._seq_ids[i], tokens)
                 slots.append(row_slots)
         except BaseException:
-            _take_back(manager, self._seq_ids, self._undo)
+            self._undo_forward()
             raise
         return np.concatenate(slots) if slots else np.empty(0, np.int32)
 
@@ -550,6 +556,14 @@ class PagedCache(Cache):
         block_table[started] = tables.block_table[:, :used_pages]
         seq_lens[started] = tables.seq_lens
         return block_table, seq_lens
+
+    def _undo_forward(self) -> None:
+        """Take back the forward under way (it raised or was interrupted, its KV not wholly
+        written): the cache is as it was before that forward."""
+        _take_back(self.pool.manager, self._seq_ids, self._undo)
+        self._step = None
+        if not self._columns:  # it was the first: the batch size is not settled yet
+            self._seq_ids.clear()
 
     def _finish(self) -> None:
         """The forward returned: its columns are part of the cache now."""
