@@ -1,6 +1,6 @@
 """A continuous-batching serving simulator that drives the real KVCacheManager.
 
-Three KV-memory policies replay the same trace under the same budget:
+Four KV-memory policies replay the same trace under the same budget:
 
 - ``contiguous``: each admitted request reserves one contiguous extent for its maximum context
   (prompt + ``max_new_tokens``), first fit in a linear address space — the allocation the design
@@ -9,8 +9,10 @@ Three KV-memory policies replay the same trace under the same budget:
 - ``paged+prefix``: the same with prefix caching on;
 - ``paged+swap``: ``paged+prefix`` whose preemptions swap a sequence's pages to a host tier
   (``SimConfig.swap_memory_bytes``) instead of recomputing it, whenever the round trip over the
-  host link costs less than the recompute and other sequences stay running; a swapped sequence resumes (before new admissions) when
-  its pages fit again, its swap-in issued one step ahead so it overlaps that step's compute.
+  host link costs less than the recompute and other sequences stay running; a swapped sequence
+  resumes (before new admissions) when its pages fit again, its swap-in issued one step ahead so it
+  overlaps that step's compute; its full pages the prefix cache still holds (a shared system
+  prompt) are shared again instead of copied back, as ``TieredKVCache.prefetch`` does.
 
 The loop: requests arrive by timestamp and wait in FCFS order; a request is admitted while its
 prompt's memory can be had; each step prefills up to ``prefill_chunk`` prompt tokens (chunked
@@ -220,14 +222,15 @@ class _PagedMemory:
 
     def swap_in(self, seq, swapped):
         """Attach a swapped sequence again if its pages (and a page of headroom per running
-        sequence) can be had; True when it did."""
+        sequence) can be had. Returns the pages copied back, or None when it could not: full
+        pages the prefix cache still holds are shared again instead (as TieredKVCache.prefetch)."""
         record, tier_pages = swapped
         if -(-record.num_tokens // self.page_size) + len(self.m) > self.m.pages_obtainable() \
                 or not self.m.free_rows:
-            return False
-        self.m.attach(seq, record)
+            return None
+        _, fresh = self.m.attach(seq, record, reuse_cached=True)
         self.tier.decref(tier_pages)
-        return True
+        return int(fresh.sum())
 
     def usage(self):
         """(pages held by sequences, their empty slots), as fractions of the budget."""
@@ -297,11 +300,12 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
             waiting.append((rid, 0))
         # swapped sequences resume first (FCFS); while one waits, nothing new is admitted
         swap_in_now = 0.0
-        while swapped and len(running) < config.max_seqs and memory.swap_in(swapped[0][0].seq, swapped[0][1]):
-            entry, (record, tier_pages) = swapped.popleft()
+        while swapped and len(running) < config.max_seqs and \
+                (copied := memory.swap_in(swapped[0][0].seq, swapped[0][1])) is not None:
+            entry, _ = swapped.popleft()
             entry.resuming = True
             running.append(entry)
-            nbytes = len(tier_pages) * memory.bytes_per_page
+            nbytes = copied * memory.bytes_per_page
             result.swap_in_bytes += nbytes
             swap_in_now += config.cost.swap_seconds(nbytes)
         # admission, FCFS

@@ -223,7 +223,10 @@ def test_swap_preemption_moves_pages_both_ways_and_hides_its_swap_ins():
     swap, recompute = _swap_run()
     assert swap.completed + swap.rejected == 200  # and simulate() found no leaked page in either tier
     assert swap.swap_outs > 0 and swap.swap_outs <= swap.preemptions
-    assert swap.swap_out_bytes == swap.swap_in_bytes  # every swapped sequence came back
+    # every swapped sequence came back, but only what the prefix cache no longer held was copied
+    # back: full pages still cached (shared system prompts, its own pages not evicted meanwhile)
+    # are shared again (1.96 GB out, 0.21 GB in when written)
+    assert 0 < swap.swap_in_bytes < swap.swap_out_bytes
     assert swap.swap_in_hidden_fraction >= 0.8        # the target, issued one step ahead
     assert recompute.swap_outs == 0 and recompute.swap_out_bytes == 0
 
@@ -244,4 +247,5 @@ def test_a_swapped_sequence_outlives_everything_else_and_still_finishes():
                        dtype="float32", max_new_tokens=40, cost=cost)
     result = simulate([Request(0.0, 10, 3, (1,)), Request(0.0, 10, 3, (2,))], config, "paged+swap")
     assert (result.completed, result.swap_outs) == (2, 1)  # and simulate() found no tier page leaked
-    assert result.swap_in_bytes == result.swap_out_bytes == 80
+    # its one page, full, stayed in the prefix cache (nothing needed it): shared again, not copied
+    assert (result.swap_out_bytes, result.swap_in_bytes) == (80, 0)
