@@ -149,6 +149,10 @@ class KVCacheManager:
         # slots' tokens; truncate resumes the chain at any page).
         self._slot_tokens = np.zeros(num_pages * page_size, np.int32) if enable_prefix_caching else None
         self._page_keys: list[list[bytes]] = [[] for _ in range(max_seqs)]
+        # Per row, the first page whose prefix-cache entry the row made by handing the page out:
+        # the pages before it came written (prefix hits, a fork's source, an attach). discard
+        # takes out of the cache only entries the row made.
+        self._own_from = np.zeros(max_seqs, np.int32)
         # Queued copy-on-write copies, dst -> src in queue order; each src keeps a reference
         # (the one the copying table gave up) until the copies are taken.
         self._pending: dict[int, int] = {}
@@ -339,6 +343,7 @@ class KVCacheManager:
         self.block_table[row, len(hit):num_pages] = fresh
         self.seq_lens[row] = len(tokens)
         self._cache_pages(keys[len(hit):], self.block_table[row, len(hit):len(keys)])
+        self._own_from[row] = len(hit)
         if self.prefix is not None:  # hit pages get them too: restored pages came without any
             self._slot_tokens[self._slots(row, 0, len(tokens))] = tokens
             self._page_keys[row] = keys
@@ -431,6 +436,7 @@ class KVCacheManager:
         self.block_table[row, :len(pages)] = pages
         self.seq_lens[row] = length
         self._page_keys[row] = list(self._page_keys[src])
+        self._own_from[row] = length // self.page_size
         self._rows[dst_id] = row
 
     def free(self, seq_id) -> None:
@@ -472,10 +478,11 @@ class KVCacheManager:
         written (a forward that failed before writing them). With 0 the sequence is freed.
 
         As :meth:`truncate`, and the full pages the prefix cache took from those tokens when they
-        were handed out leave the cache: it would hand later prompts KV that is not there. For a
-        new sequence, ``num_written`` may count the tokens ``add_sequence`` found cached if they
-        were cached before the failed step; pages another sequence of that step was to write hold
-        nothing, so a sequence added in the failed step is best freed (0).
+        were handed out leave the cache: it would hand later prompts KV that is not there. Pages
+        the sequence did not hand out itself (prefix hits, a fork's source's, an attach's) stay
+        cached: a sequence added in the failed step can be freed (0) whatever it found cached.
+        Pages it found cached that another sequence of that step was to write hold nothing, so
+        it is freed, not cut back to its hit (the other sequence's discard takes them out).
 
         Raises
         ------
@@ -486,7 +493,7 @@ class KVCacheManager:
         """
         row, num_written = self._tokens_of(seq_id, num_written, "num_written", 0, "whose KV is written")
         if self.prefix is not None:
-            first = num_written // self.page_size
+            first = max(num_written // self.page_size, int(self._own_from[row]))
             pages = self.block_table[row, first:len(self._page_keys[row])].tolist()
             taken = [page for key, page in zip(self._page_keys[row][first:], pages)
                      if self.prefix.page_of.get(key) == page]
@@ -637,6 +644,7 @@ class KVCacheManager:
             if self.prefix is not None:
                 self._slot_tokens[self._slots(row, 0, record.num_tokens)] = record.token_ids
                 self._page_keys[row] = chain
+            self._own_from[row] = record.num_tokens // self.page_size
             self._rows[seq_id] = row
         return (pages, fresh) if reuse_cached else pages
 
@@ -871,6 +879,7 @@ class KVCacheManager:
         self._release(self.block_table[row, self._num_pages(num_tokens):self._num_pages(self.seq_lens[row])])
         self.seq_lens[row] = num_tokens
         del self._page_keys[row][num_tokens // self.page_size:]
+        self._own_from[row] = min(self._own_from[row], num_tokens // self.page_size)
 
     def _slots(self, row, start, end):
         """int64 [end - start]: the slots of positions start .. end - 1 of ``row``."""

@@ -908,6 +908,34 @@ def test_discard_takes_unwritten_pages_out_of_the_prefix_cache_and_keeps_the_hit
     m.check()
 
 
+def test_discard_to_nothing_keeps_the_pages_a_sequence_did_not_hand_out_itself_cached():
+    """Freed with discard(0), a sequence takes out of the prefix cache only the pages it handed
+    out: its prefix hits, a fork's inherited pages and an attach's pages came written and stay
+    cached for the next prompt (they used to leave the cache with it)."""
+    m = KVCacheManager(num_pages=32, page_size=4, max_seqs=8, max_pages_per_seq=8)
+    m.add_sequence("a", list(range(9)))                       # 2 full pages, written
+    m.take_pending_copies()
+    cached = dict(m.prefix.page_of)
+    m.add_sequence("hit", list(range(8)) + [60])              # a's 2 pages, and its own partial one
+    m.fork("a", "child")
+    m.append("child", [61, 62, 63])                           # fills a page of its own (cached)
+    own = int(m.page_table("child")[2])
+    record = m.detach("a")
+    m.attach("back", record, reuse_cached=True)               # a's 2 pages again
+    for seq_id in ("hit", "child", "back"):
+        m.discard(seq_id, 0)
+        assert seq_id not in m and m.prefix.page_of.items() >= cached.items(), seq_id
+    assert own not in m.prefix.key_of
+    assert m.add_sequence("again", list(range(8)) + [70]) == 8
+    m.truncate("again", 3)                                    # back into its first (hit) page
+    m.append("again", [99])                                   # refilled on a copy of its own
+    refilled = int(m.page_table("again")[0])
+    assert refilled in m.prefix.key_of
+    m.discard("again", 3)                                     # not written: out of the cache
+    assert refilled not in m.prefix.key_of and m.prefix.page_of.items() >= cached.items()
+    m.check()
+
+
 def test_discard_of_an_append_takes_out_the_page_it_filled_and_keeps_the_page_before():
     """Tokens appended into a partly written page fill it (cached at once) and start another; the
     forward fails: the filled page leaves the cache (its tail is unwritten), the written one stays."""

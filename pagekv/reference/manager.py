@@ -37,6 +37,7 @@ class ReferenceKVCacheManager:
         self.tables: dict = {}       # seq_id -> [page, ...]
         self.tokens: dict = {}       # seq_id -> [token, ...]
         self.offered: dict = {}      # seq_id -> full pages already offered to the cache
+        self.own_from: dict = {}     # seq_id -> first page it handed out itself (not come written)
         self.page_of: dict = {}      # key -> page
         self.key_of: dict = {}       # page -> key
         self.lru: list = []          # pages held only by the cache, least recently released first
@@ -172,7 +173,7 @@ class ReferenceKVCacheManager:
             self.lru = [p for p in self.lru if p not in hit]
         self.tables[seq_id] = hit + fresh
         self.tokens[seq_id] = tokens
-        self.offered[seq_id] = len(hit)
+        self.offered[seq_id] = self.own_from[seq_id] = len(hit)
         self._offer_full_pages(seq_id)
         self.hit_tokens += len(hit) * self.page_size
         self.query_tokens += len(tokens)
@@ -244,13 +245,14 @@ class ReferenceKVCacheManager:
         self.tables[dst_id] = list(table)
         self.tokens[dst_id] = list(self.tokens[src_id])
         self.offered[dst_id] = self.offered[src_id]
+        self.own_from[dst_id] = len(self.tokens[src_id]) // self.page_size
 
     def _release(self, released):
         self._drop_copies_into(self._let_go(released))
 
     def free(self, seq_id):
         self._release(self._seq(seq_id)[::-1])
-        del self.tables[seq_id], self.tokens[seq_id], self.offered[seq_id]
+        del self.tables[seq_id], self.tokens[seq_id], self.offered[seq_id], self.own_from[seq_id]
 
     def truncate(self, seq_id, num_tokens):
         table = self._seq(seq_id)
@@ -261,6 +263,7 @@ class ReferenceKVCacheManager:
         self._release(table[keep:][::-1])
         del table[keep:], tokens[num_tokens:]
         self.offered[seq_id] = min(self.offered[seq_id], num_tokens // self.page_size)
+        self.own_from[seq_id] = min(self.own_from[seq_id], num_tokens // self.page_size)
 
     def discard(self, seq_id, num_written):
         table = self._seq(seq_id)
@@ -268,7 +271,7 @@ class ReferenceKVCacheManager:
         if isinstance(num_written, bool) or not isinstance(num_written, int) or not 0 <= num_written <= len(tokens):
             raise ValueError(f"expected num_written in [0, {len(tokens)}]")
         keys = prefix_keys(tokens, self.page_size) if self.caching else []
-        for index in range(num_written // self.page_size, len(keys)):
+        for index in range(max(num_written // self.page_size, self.own_from[seq_id]), len(keys)):
             page = table[index]
             if self.page_of.get(keys[index]) == page:  # cached from this sequence's unwritten tokens
                 del self.page_of[keys[index]], self.key_of[page]
@@ -321,6 +324,7 @@ class ReferenceKVCacheManager:
             self.tables[seq_id] = [pages[i] for i in index]
             self.tokens[seq_id] = list(tokens)
             self.offered[seq_id] = len(tokens) // self.page_size  # its full pages are not offered again
+            self.own_from[seq_id] = len(tokens) // self.page_size
         if reuse_cached:
             return pages, [i not in hits for i in range(count)]
         return pages
