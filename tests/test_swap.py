@@ -549,3 +549,121 @@ def test_freeing_a_sequence_being_prefetched_waits_for_it_and_leaves_nothing_beh
     assert t.manager.allocator.num_free == hot_free           # and its hot pages
     t.manager.check()
     t.tier.allocator.check()
+
+
+class _TierEngine:
+    """An engine over a TieredKVCache whose KV is checkable: every token's K and V hold a value
+    made from the tokens up to it (its prefix), so shared, cached, copied, spilled and swapped
+    pages must all hold exactly what a sequence's own prefix gives."""
+
+    def __init__(self, rng, *, spill):
+        self.rng = rng
+        self.t = tiered(hot_pages=14, tier_pages=40, max_seqs=8, spill=spill)
+        self.m = self.t.manager
+        self.tokens = {}   # seq_id -> its tokens (hot or swapped)
+        self.next_id = 0
+        self.prompts = [[int(x) for x in rng.integers(0, 5, 9)] for _ in range(2)]  # shared heads
+
+    @staticmethod
+    def value(prefix):
+        h = 0
+        for token in prefix:
+            h = (h * 31 + token + 1) % 1_000_003
+        return float(h)
+
+    def step(self, seq_id, start):
+        """One forward: the step's copies, then the KV of ``seq_id``'s tokens from ``start``."""
+        src, dst = self.m.take_pending_copies()
+        data = self.t.cache.data
+        data[:, :, dst] = data[:, :, src]
+        tokens = self.tokens[seq_id]
+        table = self.m.page_table(seq_id)
+        ps = self.m.page_size
+        for p in range(start, len(tokens)):
+            value = self.value(tokens[:p + 1])
+            data[:, 0, table[p // ps], :, p % ps] = value
+            data[:, 1, table[p // ps], :, p % ps] = -value
+
+    def check(self, seq_id):
+        tokens = self.tokens[seq_id]
+        table = self.m.page_table(seq_id)
+        ps = self.m.page_size
+        positions = np.arange(len(tokens))
+        got = self.t.cache.data[:, 0, table[positions // ps], 0, positions % ps, 0]  # [layers, tokens]
+        want = [self.value(tokens[:p + 1]) for p in positions]
+        np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape), err_msg=str(seq_id))
+        got_v = self.t.cache.data[:, 1, table[positions // ps], -1, positions % ps, -1]
+        np.testing.assert_array_equal(got_v, -got)
+
+    def at_rest(self):
+        return [s for s in self.tokens if s in self.m and self.t.is_ready(s)]
+
+    def swapped(self):
+        return [s for s in self.tokens if self.t.is_swapped(s)]
+
+    def act(self):
+        rng, m, t = self.rng, self.m, self.t
+        action = rng.choice(["add", "add", "decode", "fork", "truncate", "swap_out", "swap_out",
+                             "prefetch", "prefetch", "free", "clear", "wait"])
+        rest = self.at_rest()
+        try:
+            if action == "add":
+                head = self.prompts[rng.integers(len(self.prompts))][:rng.integers(4, 10)]
+                tokens = head + [int(x) for x in rng.integers(0, 5, rng.integers(1, 7))]
+                seq_id = self.next_id
+                self.next_id += 1
+                cached = t.add_sequence(seq_id, tokens)
+                self.tokens[seq_id] = tokens
+                self.step(seq_id, cached)
+            elif action == "decode" and rest:
+                seq_id = rest[rng.integers(len(rest))]
+                token = int(rng.integers(0, 5))
+                m.append_tokens([seq_id], [token])
+                self.tokens[seq_id].append(token)
+                self.step(seq_id, len(self.tokens[seq_id]) - 1)
+            elif action == "fork" and rest:
+                src = rest[rng.integers(len(rest))]
+                m.fork(src, self.next_id)
+                self.tokens[self.next_id] = list(self.tokens[src])
+                self.next_id += 1
+            elif action == "truncate" and rest:
+                seq_id = rest[rng.integers(len(rest))]
+                keep = int(rng.integers(1, len(self.tokens[seq_id]) + 1))
+                m.truncate(seq_id, keep)
+                del self.tokens[seq_id][keep:]
+            elif action == "swap_out" and rest:
+                picked = rng.choice(rest, size=min(len(rest), int(rng.integers(1, 3))), replace=False)
+                t.swap_out([int(s) for s in picked])
+            elif action == "prefetch" and self.swapped():
+                swapped = self.swapped()
+                picked = rng.choice(swapped, size=min(len(swapped), int(rng.integers(1, 3))), replace=False)
+                t.prefetch([int(s) for s in picked])
+            elif action == "free" and self.tokens:
+                seq_id = list(self.tokens)[rng.integers(len(self.tokens))]
+                t.free(seq_id)
+                del self.tokens[seq_id]
+            elif action == "clear":
+                m.clear_prefix_cache()
+            elif action == "wait":
+                t.wait()
+        except (OutOfPagesError, ValueError) as exc:  # no room: refused, nothing changed
+            assert "expected" in str(exc) or isinstance(exc, OutOfPagesError)
+        for seq_id in self.at_rest():
+            self.check(seq_id)
+        m.check()
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_random_work_on_a_tiered_cache_keeps_every_sequences_kv(spill):
+    """Adds on shared prompts, decode steps, forks, rollbacks, swaps both ways (some prefetches
+    still running while other work goes on), frees and cache clears on a small hot pool (so the
+    prefix cache evicts, and spills): after every action each sequence at rest reads exactly its
+    own KV."""
+    rng = np.random.default_rng(40 + spill)
+    for _ in range(30):
+        engine = _TierEngine(rng, spill=spill)
+        for _ in range(60):
+            engine.act()
+        engine.t.wait()
+        for seq_id in engine.at_rest():
+            engine.check(seq_id)
