@@ -161,9 +161,11 @@ class KVCacheManager:
         # attach(reuse_cached=True) leaves pages of the coming step alone: that forward may fail.
         self._steps = 0
         self._cached_in_step = np.full(num_pages, -1, np.int64)
-        # Called as on_evict(keys, pages) just before cached pages are evicted (their KV is still
-        # there): a second tier can keep them (pagekv.swap.TieredKVCache sets it).
+        # Called as on_evict(keys, pages) just before cached pages are evicted, and as
+        # on_clear(keys, pages) just before clear_prefix_cache drops them (their KV is still
+        # there): a second tier can keep them (pagekv.swap.TieredKVCache sets both).
         self.on_evict = None
+        self.on_clear = None
         self._hit_tokens = 0
         self._query_tokens = 0
 
@@ -683,6 +685,9 @@ class KVCacheManager:
     def clear_prefix_cache(self) -> None:
         """Drop every cached page; pages no sequence uses return to the pool."""
         if self.prefix is not None:
+            if self.on_clear is not None and len(self.prefix):
+                self.on_clear(list(self.prefix.key_of.values()),
+                              np.fromiter(self.prefix.key_of, np.int32, len(self.prefix)))
             pages = self.prefix.clear()
             if pages:
                 self._drop_copies_into(self.allocator.decref(pages))

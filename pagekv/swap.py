@@ -11,6 +11,11 @@ swapped out at rest: its slots written (the manager's contract). A page of it ma
 a queued copy-on-write copy (a sequence that ``discard`` cut back keeps tokens that only the copy
 brings): ``swap_out`` reads such a page's KV from the copy's source and leaves the queue to the
 step that takes it.
+
+A full page the hot prefix cache holds (a shared prompt, or the sequence's own full pages) is not
+copied at swap-out: it stays in the hot cache, evictable, with a tier page set aside for it, and
+its KV is copied there only if it leaves the cache (evicted or cleared) before the sequence comes
+back; ``prefetch`` shares it again if it has not.
 """
 
 import threading
@@ -18,7 +23,7 @@ import threading
 import numpy as np
 
 from pagekv.cache import KVCache
-from pagekv.errors import OutOfPagesError, UnknownSequenceError
+from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import threads as _threads
 from pagekv.manager import KVCacheManager, hashable_id, id_list
@@ -75,14 +80,21 @@ class TieredKVCache:
         self._hot = _planes(cache.data)
         self._cold = _planes(tier.data)
         self._swapped: dict = {}    # seq_id -> (DetachedSequence, tier pages int32)
+        # Prefix key -> the tier page set aside for a hot cached page that swapped-out sequences
+        # left in the hot cache (copied there when it leaves the cache), and the reverse.
+        self._deferred: dict[bytes, int] = {}
+        self._deferred_key: dict[int, bytes] = {}
+        self.spill_prefixes = bool(spill_prefixes)
         self._inflight: dict = {}   # seq_id -> _Prefetch
         self.bytes_swapped_out = self.bytes_swapped_in = self.bytes_spilled = self.bytes_restored = 0
-        if spill_prefixes:
-            manager.on_evict = self._spill
+        if manager.prefix is not None:
+            manager.on_evict, manager.on_clear = self._evicted, self._resolve
 
     # ------------------------------------------------------------------ swapping
     def swap_out(self, seq_ids) -> None:
-        """Move each sequence's KV to the tier and free its hot pages (all or none).
+        """Move each sequence's KV to the tier and free its hot pages (all or none). Full pages
+        the hot prefix cache holds stay there (evictable) with a tier page set aside, copied only
+        if they leave the cache before :meth:`prefetch`.
 
         Raises
         ------
@@ -107,16 +119,28 @@ class TieredKVCache:
         # A page the sequences share (forks, parallel samples) goes to the tier once, and holds a
         # tier reference per sequence: prefetching them together shares it again (attach_shared).
         hot, indices = _distinct_pages(tables)
-        cold = self._take_tier_pages(len(hot))
-        _threads.start()
         # a page still waiting for its copy-on-write copy holds nothing yet: read the copy's source
-        _cache_ops.copy_across(self._hot, self._cold, self.manager.kv_sources(hot), cold)
-        uses = np.bincount(np.concatenate(indices), minlength=len(hot))
-        if (uses > 1).any():
-            self.tier.allocator.incref(np.repeat(cold, uses - 1))
+        sources = self.manager.kv_sources(hot)
+        key_of = self.manager.prefix.key_of if self.manager.prefix is not None else {}
+        keys = [key_of.get(page) if page == source else None
+                for page, source in zip(hot.tolist(), sources.tolist())]
+        later = np.array([key is not None for key in keys], bool)  # left in the hot cache
+        known = np.array([key in self._deferred for key in keys], bool)  # set aside already
+        cold = np.empty(len(hot), np.int32)
+        cold[~known] = self._take_tier_pages(int((~known).sum()))
+        cold[known] = [self._deferred[key] for key, k in zip(keys, known) if k]
+        for i in np.flatnonzero(later & ~known).tolist():
+            self._deferred[keys[i]] = int(cold[i])
+            self._deferred_key[int(cold[i])] = keys[i]
+        _threads.start()
+        _cache_ops.copy_across(self._hot, self._cold, sources[~later], cold[~later])
+        # each use of a page by a sequence holds a tier reference (a new page comes with one)
+        uses = np.bincount(np.concatenate(indices), minlength=len(hot)) - (~known).astype(np.int64)
+        if uses.any():
+            self.tier.allocator.incref(np.repeat(cold, uses))
         for seq_id, index in zip(seq_ids, indices):
             self._swapped[seq_id] = (self.manager.detach(seq_id), cold[index])
-        self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
+        self.bytes_swapped_out += int((~later).sum()) * self.cache.spec.bytes_per_page
 
     def prefetch(self, seq_ids) -> None:
         """Bring swapped sequences back to fresh hot pages; the copy runs on a background thread.
@@ -149,6 +173,17 @@ class TieredKVCache:
         hot, fresh = self.manager.attach_shared(seq_ids, records, indices, reuse_cached=True)
         for seq_id in seq_ids:
             del self._swapped[seq_id]
+        # a page to copy back whose KV is still only in the hot cache (left there at swap-out and
+        # not shared again, e.g. one the sequence fills only partly) reaches its tier page first
+        left = [i for i in np.flatnonzero(fresh).tolist() if int(cold[i]) in self._deferred_key]
+        if left:
+            keys = [self._deferred_key[int(cold[i])] for i in left]
+            page_of = self.manager.prefix.page_of
+            lost = [key for key in keys if key not in page_of]
+            if lost:  # only a discard of tokens whose KV was written takes such a page out
+                raise InvariantError(f"expected the hot prefix cache to hold the pages left there at "
+                                     f"swap-out until copied, got {len(lost)} gone uncopied")
+            self._resolve(keys, np.array([page_of[key] for key in keys], np.int32))
         # the job gives back each sequence's tier references once the copy is done
         job = _Prefetch(self._cold, self._hot, cold[fresh], hot[fresh], np.concatenate(colds))
         for seq_id in seq_ids:
@@ -176,8 +211,7 @@ class TieredKVCache:
         """Free a sequence wherever it is (hot, swapped, or being prefetched: waits for that first)."""
         if hashable_id(seq_id) in self._swapped:
             _, cold = self._swapped.pop(seq_id)
-            if len(cold):
-                self.tier.allocator.decref(cold)
+            self._let_go_tier(cold)
             return
         if seq_id in self._inflight:
             self.wait([seq_id])
@@ -222,6 +256,28 @@ class TieredKVCache:
                 self.bytes_restored += len(run) * self.cache.spec.bytes_per_page
         return manager.add_sequence(seq_id, token_ids)
 
+    def _evicted(self, keys, pages) -> None:
+        """The manager's eviction hook: pages set aside for swapped-out sequences are copied to
+        their tier pages, and (with spill_prefixes) evicted prefixes are kept in the tier."""
+        self._resolve(keys, pages)
+        if self.spill_prefixes:
+            self._spill(keys, pages)
+
+    def _resolve(self, keys, pages) -> None:
+        """Hot cached ``pages`` (int32) under ``keys`` leave the cache (also the manager's
+        clear hook): copy those that swapped-out sequences left there to the tier pages set
+        aside for them."""
+        todo = [(self._deferred.pop(key), page) for key, page in zip(keys, pages.tolist())
+                if key in self._deferred]
+        if not todo:
+            return
+        cold, hot = (np.array(column, np.int32) for column in zip(*todo))
+        for page in cold.tolist():
+            del self._deferred_key[page]
+        _threads.start()
+        _cache_ops.copy_across(self._hot, self._cold, hot, cold)
+        self.bytes_swapped_out += len(todo) * self.cache.spec.bytes_per_page
+
     def _spill(self, keys, pages) -> None:
         """The manager's eviction hook: copy evicted prefix pages into the tier while they still hold
         their KV; the oldest spilled pages make room, and what does not fit is dropped. A key the
@@ -257,8 +313,16 @@ class TieredKVCache:
         """A finished prefetch: its tier pages go back to the tier, its sequences are at rest."""
         for seq_id in [s for s, j in self._inflight.items() if j is job]:
             del self._inflight[seq_id]
-        if len(job.tier_references):
-            self.tier.allocator.decref(job.tier_references)
+        self._let_go_tier(job.tier_references)
+
+    def _let_go_tier(self, pages) -> None:
+        """Drop a tier reference on each of ``pages``; a page set aside for a hot cached page that
+        returns to the tier's pool is no longer set aside."""
+        if len(pages):
+            for page in self.tier.allocator.decref(pages).tolist():
+                key = self._deferred_key.pop(page, None)
+                if key is not None:
+                    del self._deferred[key]
 
 
 def _distinct_pages(tables):

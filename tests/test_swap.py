@@ -88,7 +88,8 @@ def test_swap_round_trip_keeps_every_byte_through_forks_and_prefix_hits(tmp_path
     assert m.page_table("a")[:3].tolist() == m.page_table("c")[:3].tolist() == \
         m.page_table("b")[:2].tolist() + [m.page_table("a")[2]]
     page = t.cache.spec.bytes_per_page
-    assert (t.bytes_swapped_out, t.bytes_swapped_in) == (5 * page, 2 * page)
+    # only the 2 partial pages crossed each way: the full ones stayed in the hot prefix cache
+    assert (t.bytes_swapped_out, t.bytes_swapped_in) == (2 * page, 2 * page)
     m.append_tokens(["a"], [13])  # a continues where it stopped
     m.check()
 
@@ -153,6 +154,58 @@ def test_swap_out_reads_a_page_that_waits_for_its_copy_from_the_source():
     got = kv_of(t, "b")
     np.testing.assert_array_equal(got[:, :, 0], kv[:, :, 0])
     np.testing.assert_array_equal(got[:, :, 1, :, :2], kv[:, :, 1, :, :2])
+    m.check()
+
+
+@pytest.mark.parametrize("leaves", ["evicted", "cleared", "stays"])
+def test_cached_pages_stay_hot_at_swap_out_and_cross_only_if_they_leave_the_cache(leaves):
+    """swap_out copies only a's partial page: its 2 full pages stay in the hot prefix cache, tier
+    pages set aside for them. Evicted or cleared before the prefetch, they are copied to the tier
+    as they go, and come back from it; left alone, the prefetch shares them again."""
+    rng = np.random.default_rng(7)
+    t = tiered(hot_pages=6, tier_pages=8, spill=False)
+    m = t.manager
+    m.add_sequence("a", list(range(9)))                 # 2 full pages + 1 token
+    kv = fill(t, "a", rng)
+    page = t.cache.spec.bytes_per_page
+    t.swap_out(["a"])
+    assert t.bytes_swapped_out == page and t.tier.allocator.num_used == 3 and m.stats().pages_cached == 2
+    if leaves == "evicted":
+        m.add_sequence("filler", list(range(100, 124)))  # 6 pages: evicts both
+        m.free("filler")
+    elif leaves == "cleared":
+        m.clear_prefix_cache()
+    assert t.bytes_swapped_out == (page if leaves == "stays" else 3 * page)
+    forget_free_pages(t)
+    t.prefetch(["a"])
+    t.wait()
+    np.testing.assert_array_equal(kv_of(t, "a"), kv)
+    assert t.bytes_swapped_in == (page if leaves == "stays" else 3 * page)
+    assert t.tier.allocator.num_free == t.tier.num_pages
+    m.check()
+
+
+def test_a_freed_swapped_sequence_gives_back_the_tier_pages_set_aside_for_it():
+    """Freed while swapped, a sequence's set-aside tier pages go back to the tier; its full pages
+    leaving the hot cache later must not be copied into them (another sequence's KV may be there)."""
+    rng = np.random.default_rng(8)
+    t = tiered(hot_pages=8, tier_pages=3, spill=False)
+    m = t.manager
+    m.add_sequence("a", list(range(9)))
+    fill(t, "a", rng)
+    t.swap_out(["a"])                                   # 3 tier pages, 2 of them set aside
+    t.free("a")
+    assert t.tier.allocator.num_free == 3
+    m.add_sequence("b", [50, 51, 52])                   # a partial page: copied at swap-out
+    kv = fill(t, "b", rng)
+    m.add_sequence("c", [60, 61, 62])
+    kv_c = fill(t, "c", rng)
+    t.swap_out(["b", "c"])                              # onto tier pages a had set aside
+    m.clear_prefix_cache()                              # a's full pages leave the hot cache
+    t.prefetch(["b", "c"])
+    t.wait()
+    np.testing.assert_array_equal(kv_of(t, "b"), kv)
+    np.testing.assert_array_equal(kv_of(t, "c"), kv_c)
     m.check()
 
 
