@@ -637,6 +637,11 @@ class _TierEngine:
             data[:, 0, table[p // ps], :, p % ps] = value
             data[:, 1, table[p // ps], :, p % ps] = -value
 
+    def step_fails(self):
+        """A forward that runs the step's copies and fails before writing any KV."""
+        src, dst = self.m.take_pending_copies()
+        self.t.cache.data[:, :, dst] = self.t.cache.data[:, :, src]
+
     def check(self, seq_id):
         tokens = self.tokens[seq_id]
         table = self.m.page_table(seq_id)
@@ -657,7 +662,8 @@ class _TierEngine:
     def act(self):
         rng, m, t = self.rng, self.m, self.t
         action = rng.choice(["add", "add", "decode", "fork", "truncate", "swap_out", "swap_out",
-                             "prefetch", "prefetch", "free", "clear", "wait"])
+                             "prefetch", "prefetch", "free", "clear", "wait", "failed_add",
+                             "failed_decode"])
         rest = self.at_rest()
         try:
             if action == "add":
@@ -674,6 +680,17 @@ class _TierEngine:
                 m.append_tokens([seq_id], [token])
                 self.tokens[seq_id].append(token)
                 self.step(seq_id, len(self.tokens[seq_id]) - 1)
+            elif action == "failed_add":  # its forward fails: freed, whatever it found cached
+                head = self.prompts[rng.integers(len(self.prompts))][:rng.integers(4, 10)]
+                t.add_sequence(self.next_id, head + [int(rng.integers(0, 5))])
+                self.step_fails()
+                m.discard(self.next_id, 0)
+                self.next_id += 1
+            elif action == "failed_decode" and rest:
+                seq_id = rest[rng.integers(len(rest))]
+                m.append_tokens([seq_id], [int(rng.integers(0, 5))])
+                self.step_fails()
+                m.discard(seq_id, len(self.tokens[seq_id]))
             elif action == "fork" and rest:
                 src = rest[rng.integers(len(rest))]
                 m.fork(src, self.next_id)
