@@ -11,8 +11,9 @@ Four KV-memory policies replay the same trace under the same budget:
   (``SimConfig.swap_memory_bytes``) instead of recomputing it, whenever the round trip over the
   host link costs less than the recompute and other sequences stay running; a swapped sequence
   resumes (before new admissions) when its pages fit again, its swap-in issued one step ahead so it
-  overlaps that step's compute; its full pages the prefix cache still holds (a shared system
-  prompt) are shared again instead of copied back, as ``TieredKVCache.prefetch`` does.
+  overlaps that step's compute. As in ``TieredKVCache``, full pages the prefix cache holds do not
+  cross at swap-out unless they are evicted before the sequence resumes, and those still cached
+  then (a shared system prompt) are shared again instead of copied back.
 
 The loop: requests arrive by timestamp and wait in FCFS order; a request is admitted while its
 prompt's memory can be had; each step prefills up to ``prefill_chunk`` prompt tokens (chunked
@@ -32,6 +33,7 @@ from pagekv._alloc import PageAllocator
 from pagekv.errors import OutOfPagesError
 from pagekv.manager import KVCacheManager
 from pagekv.models import MAX_CONTEXT
+from pagekv.setaside import SetAside
 from pagekv.trace import prompt_tokens
 
 __all__ = ["CostModel", "SimConfig", "PolicyResult", "simulate", "POLICIES"]
@@ -183,6 +185,13 @@ class _PagedMemory:
                                 max_seqs=config.max_seqs, max_pages_per_seq=self.max_pages,
                                 enable_prefix_caching=prefix)
         self.capacity_pages = config.num_pages
+        # a swapped sequence's cached full pages stay hot, copied to the tier only if they leave
+        # the hot cache first (as TieredKVCache does); no KV data, so the copies are only counted
+        self.set_aside = None
+        self._copied_late = 0
+        if self.tier is not None and prefix:
+            self.set_aside = SetAside(self.m, self.tier, lambda hot, cold: None)
+            self.m.on_evict = self.m.on_clear = self.set_aside.leave_cache
 
     def fits_ever(self, num_tokens):
         pages = -(-(num_tokens + 1) // self.page_size)
@@ -216,9 +225,19 @@ class _PagedMemory:
         return pages if self.tier is not None and pages <= self.tier.num_free else None
 
     def swap_out(self, seq):
-        """Detach ``seq`` onto tier pages; returns what swap_in needs."""
-        tier_pages = self.tier.allocate(len(self.m.page_table(seq)))
-        return self.m.detach(seq), tier_pages
+        """Detach ``seq`` onto tier pages; returns what swap_in needs and the pages copied now."""
+        table = self.m.page_table(seq)
+        keys, known = self.set_aside.plan(table, self.m.kv_sources(table))
+        tier_pages = self.set_aside.tier_pages(keys, known, self.tier.allocate(int((~known).sum())))
+        if known.any():  # one tier reference per sequence using a page set aside already
+            self.tier.incref(tier_pages[known])
+        return (self.m.detach(seq), tier_pages), sum(key is None for key in keys)
+
+    def copied_late(self):
+        """Pages copied to the tier as they left the hot cache since the last call."""
+        late = self.set_aside.pages_copied - self._copied_late if self.set_aside is not None else 0
+        self._copied_late += late
+        return late
 
     def swap_in(self, seq, swapped):
         """Attach a swapped sequence again if its pages (and a page of headroom per running
@@ -229,7 +248,8 @@ class _PagedMemory:
                 or not self.m.free_rows:
             return None
         _, fresh = self.m.attach(seq, record, reuse_cached=True)
-        self.tier.decref(tier_pages)
+        self.set_aside.bring_in(tier_pages[fresh])
+        self.set_aside.let_go(tier_pages)
         return int(fresh.sum())
 
     def usage(self):
@@ -353,14 +373,19 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
                                                       config.model.num_params)
             if pages is not None and 2 * config.cost.swap_seconds(nbytes) < recompute:
                 victim.resuming = False
-                swapped.append((victim, memory.swap_out(victim.seq)))
+                record, copied = memory.swap_out(victim.seq)
+                swapped.append((victim, record))
                 result.swap_outs += 1
-                result.swap_out_bytes += nbytes
-                swap_out_now += config.cost.swap_seconds(nbytes)  # before its pages are reused
+                result.swap_out_bytes += copied * memory.bytes_per_page
+                swap_out_now += config.cost.swap_seconds(copied * memory.bytes_per_page)  # before reuse
             else:
                 memory.release(victim.seq)
                 waiting.appendleft((victim.rid, victim.generated))
             decoding = [e for e in running if not e.to_prefill and not e.resuming]
+        if policy == "paged+swap":  # pages left hot at swap-out, copied as they were evicted
+            late = memory.copied_late() * memory.bytes_per_page
+            result.swap_out_bytes += late
+            swap_out_now += config.cost.swap_seconds(late)
         kv_tokens = sum(len(e.prompt) + e.generated for e in decoding)
         dt = config.cost.step_seconds(weight_bytes=weight_bytes if (decoding or prefill_tokens) else 0,
                                       kv_bytes=kv_tokens * spec.bytes_per_token,

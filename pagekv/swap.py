@@ -23,11 +23,12 @@ import threading
 import numpy as np
 
 from pagekv.cache import KVCache
-from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
+from pagekv.errors import OutOfPagesError, UnknownSequenceError
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import threads as _threads
 from pagekv.manager import KVCacheManager, hashable_id, id_list
 from pagekv.prefix import chain_keys
+from pagekv.setaside import SetAside
 from pagekv.tier import OffloadTier
 
 __all__ = ["TieredKVCache"]
@@ -80,15 +81,13 @@ class TieredKVCache:
         self._hot = _planes(cache.data)
         self._cold = _planes(tier.data)
         self._swapped: dict = {}    # seq_id -> (DetachedSequence, tier pages int32)
-        # Prefix key -> the tier page set aside for a hot cached page that swapped-out sequences
-        # left in the hot cache (copied there when it leaves the cache), and the reverse.
-        self._deferred: dict[bytes, int] = {}
-        self._deferred_key: dict[int, bytes] = {}
+        # hot cached pages swapped-out sequences left in the hot cache, with their tier pages
+        self._set_aside = SetAside(manager, tier.allocator, self._copy_out)
         self.spill_prefixes = bool(spill_prefixes)
         self._inflight: dict = {}   # seq_id -> _Prefetch
         self.bytes_swapped_out = self.bytes_swapped_in = self.bytes_spilled = self.bytes_restored = 0
         if manager.prefix is not None:
-            manager.on_evict, manager.on_clear = self._evicted, self._resolve
+            manager.on_evict, manager.on_clear = self._evicted, self._set_aside.leave_cache
 
     # ------------------------------------------------------------------ swapping
     def swap_out(self, seq_ids) -> None:
@@ -121,26 +120,16 @@ class TieredKVCache:
         hot, indices = _distinct_pages(tables)
         # a page still waiting for its copy-on-write copy holds nothing yet: read the copy's source
         sources = self.manager.kv_sources(hot)
-        key_of = self.manager.prefix.key_of if self.manager.prefix is not None else {}
-        keys = [key_of.get(page) if page == source else None
-                for page, source in zip(hot.tolist(), sources.tolist())]
-        later = np.array([key is not None for key in keys], bool)  # left in the hot cache
-        known = np.array([key in self._deferred for key in keys], bool)  # set aside already
-        cold = np.empty(len(hot), np.int32)
-        cold[~known] = self._take_tier_pages(int((~known).sum()))
-        cold[known] = [self._deferred[key] for key, k in zip(keys, known) if k]
-        for i in np.flatnonzero(later & ~known).tolist():
-            self._deferred[keys[i]] = int(cold[i])
-            self._deferred_key[int(cold[i])] = keys[i]
-        _threads.start()
-        _cache_ops.copy_across(self._hot, self._cold, sources[~later], cold[~later])
+        keys, known = self._set_aside.plan(hot, sources)
+        cold = self._set_aside.tier_pages(keys, known, self._take_tier_pages(int((~known).sum())))
+        now = np.array([key is None for key in keys], bool)  # the rest stays in the hot cache
+        self._copy_out(sources[now], cold[now])
         # each use of a page by a sequence holds a tier reference (a new page comes with one)
         uses = np.bincount(np.concatenate(indices), minlength=len(hot)) - (~known).astype(np.int64)
         if uses.any():
             self.tier.allocator.incref(np.repeat(cold, uses))
         for seq_id, index in zip(seq_ids, indices):
             self._swapped[seq_id] = (self.manager.detach(seq_id), cold[index])
-        self.bytes_swapped_out += int((~later).sum()) * self.cache.spec.bytes_per_page
 
     def prefetch(self, seq_ids) -> None:
         """Bring swapped sequences back to fresh hot pages; the copy runs on a background thread.
@@ -173,17 +162,7 @@ class TieredKVCache:
         hot, fresh = self.manager.attach_shared(seq_ids, records, indices, reuse_cached=True)
         for seq_id in seq_ids:
             del self._swapped[seq_id]
-        # a page to copy back whose KV is still only in the hot cache (left there at swap-out and
-        # not shared again, e.g. one the sequence fills only partly) reaches its tier page first
-        left = [i for i in np.flatnonzero(fresh).tolist() if int(cold[i]) in self._deferred_key]
-        if left:
-            keys = [self._deferred_key[int(cold[i])] for i in left]
-            page_of = self.manager.prefix.page_of
-            lost = [key for key in keys if key not in page_of]
-            if lost:  # only a discard of tokens whose KV was written takes such a page out
-                raise InvariantError(f"expected the hot prefix cache to hold the pages left there at "
-                                     f"swap-out until copied, got {len(lost)} gone uncopied")
-            self._resolve(keys, np.array([page_of[key] for key in keys], np.int32))
+        self._set_aside.bring_in(cold[fresh])
         # the job gives back each sequence's tier references once the copy is done
         job = _Prefetch(self._cold, self._hot, cold[fresh], hot[fresh], np.concatenate(colds))
         for seq_id in seq_ids:
@@ -211,7 +190,7 @@ class TieredKVCache:
         """Free a sequence wherever it is (hot, swapped, or being prefetched: waits for that first)."""
         if hashable_id(seq_id) in self._swapped:
             _, cold = self._swapped.pop(seq_id)
-            self._let_go_tier(cold)
+            self._set_aside.let_go(cold)
             return
         if seq_id in self._inflight:
             self.wait([seq_id])
@@ -259,24 +238,15 @@ class TieredKVCache:
     def _evicted(self, keys, pages) -> None:
         """The manager's eviction hook: pages set aside for swapped-out sequences are copied to
         their tier pages, and (with spill_prefixes) evicted prefixes are kept in the tier."""
-        self._resolve(keys, pages)
+        self._set_aside.leave_cache(keys, pages)
         if self.spill_prefixes:
             self._spill(keys, pages)
 
-    def _resolve(self, keys, pages) -> None:
-        """Hot cached ``pages`` (int32) under ``keys`` leave the cache (also the manager's
-        clear hook): copy those that swapped-out sequences left there to the tier pages set
-        aside for them."""
-        todo = [(self._deferred.pop(key), page) for key, page in zip(keys, pages.tolist())
-                if key in self._deferred]
-        if not todo:
-            return
-        cold, hot = (np.array(column, np.int32) for column in zip(*todo))
-        for page in cold.tolist():
-            del self._deferred_key[page]
+    def _copy_out(self, hot, cold) -> None:
+        """Copy hot pages' KV (int32 [n]) into tier pages (int32 [n]): swap-out traffic."""
         _threads.start()
         _cache_ops.copy_across(self._hot, self._cold, hot, cold)
-        self.bytes_swapped_out += len(todo) * self.cache.spec.bytes_per_page
+        self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
 
     def _spill(self, keys, pages) -> None:
         """The manager's eviction hook: copy evicted prefix pages into the tier while they still hold
@@ -313,16 +283,7 @@ class TieredKVCache:
         """A finished prefetch: its tier pages go back to the tier, its sequences are at rest."""
         for seq_id in [s for s, j in self._inflight.items() if j is job]:
             del self._inflight[seq_id]
-        self._let_go_tier(job.tier_references)
-
-    def _let_go_tier(self, pages) -> None:
-        """Drop a tier reference on each of ``pages``; a page set aside for a hot cached page that
-        returns to the tier's pool is no longer set aside."""
-        if len(pages):
-            for page in self.tier.allocator.decref(pages).tolist():
-                key = self._deferred_key.pop(page, None)
-                if key is not None:
-                    del self._deferred[key]
+        self._set_aside.let_go(job.tier_references)
 
 
 def _distinct_pages(tables):

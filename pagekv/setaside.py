@@ -1,0 +1,118 @@
+"""SetAside: hot prefix-cache pages left in place at swap-out, each with a tier page set aside.
+
+A swapped-out sequence's full pages that the hot prefix cache holds need not cross to the tier at
+swap-out: they stay in the hot cache (evictable), and the prefetch shares them again if they are
+still there. Each gets a tier page set aside (so the swap-out is still all-or-nothing and the KV
+has a place to go), and its KV is copied there only when the page leaves the hot cache (evicted or
+cleared: the manager's ``on_evict``/``on_clear`` hooks call :meth:`SetAside.leave_cache`). A
+prefix key names the same tokens, so sequences swapped out at different times share one tier
+page per key (one tier reference each).
+
+This module keeps the bookkeeping; the caller moves the bytes (``copy(hot, cold)``), so
+:class:`pagekv.swap.TieredKVCache` and the simulator's paged+swap policy count the same copies.
+"""
+
+import numpy as np
+
+from pagekv.errors import InvariantError
+
+__all__ = ["SetAside"]
+
+
+class SetAside:
+    """Tier pages set aside for hot cached pages, by prefix key.
+
+    Parameters
+    ----------
+    manager : KVCacheManager
+        The hot pages' manager (its prefix cache says which pages can stay).
+    tier_allocator : PageAllocator
+        The tier's pages.
+    copy : callable
+        ``copy(hot, cold)`` with int32 [n] page arrays: copy hot pages' KV into tier pages.
+
+    Attributes
+    ----------
+    pages_copied : int
+        Pages copied to their tier page as they left the hot cache, so far.
+    """
+
+    def __init__(self, manager, tier_allocator, copy) -> None:
+        self.manager = manager
+        self.tier_allocator = tier_allocator
+        self.copy = copy
+        self.cold_of: dict[bytes, int] = {}  # prefix key -> its tier page, until copied or let go
+        self.key_of: dict[int, bytes] = {}   # the reverse
+        self.pages_copied = 0
+
+    def plan(self, pages, sources):
+        """Which of a swap-out's distinct hot ``pages`` stay in the hot cache.
+
+        Parameters
+        ----------
+        pages, sources : int32 [n]
+            The pages, and where each one's KV is now (``manager.kv_sources``): a page that waits
+            for a copy-on-write copy is not the cache's to keep, its KV is not there yet.
+
+        Returns
+        -------
+        keys : list of (bytes or None) [n]
+            The prefix key of each page that stays (None: it crosses now).
+        known : bool [n]
+            Pages that have a tier page set aside already (another sequence left them first).
+        """
+        prefix = self.manager.prefix
+        key_of = prefix.key_of if prefix is not None else {}
+        keys = [key_of.get(page) if page == source else None
+                for page, source in zip(pages.tolist(), sources.tolist())]
+        return keys, np.array([key in self.cold_of for key in keys], bool)
+
+    def tier_pages(self, keys, known, fresh):
+        """The tier page of each planned page: a page set aside already, or one of ``fresh``
+        (int32, one per page not ``known``, each with its allocation's reference), recorded as
+        set aside for the pages that stay. Returns int32 [n]."""
+        cold = np.empty(len(keys), np.int32)
+        cold[~known] = fresh
+        cold[known] = [self.cold_of[key] for key, k in zip(keys, known) if k]
+        for key, page, k in zip(keys, cold.tolist(), known):
+            if key is not None and not k:
+                self.cold_of[key] = page
+                self.key_of[page] = key
+        return cold
+
+    def leave_cache(self, keys, pages) -> None:
+        """Hot cached ``pages`` (int32) under ``keys`` leave the hot cache (the manager's
+        ``on_evict``/``on_clear``): copy those set aside to their tier pages while they hold
+        their KV."""
+        todo = [(self.cold_of.pop(key), page) for key, page in zip(keys, pages.tolist())
+                if key in self.cold_of]
+        if not todo:
+            return
+        cold, hot = (np.array(column, np.int32) for column in zip(*todo))
+        for page in cold.tolist():
+            del self.key_of[page]
+        self.copy(hot, cold)
+        self.pages_copied += len(todo)
+
+    def bring_in(self, cold) -> None:
+        """Tier pages ``cold`` (int32) are about to be copied back: those whose KV is still only
+        in the hot cache (set aside and not shared again, e.g. a page the sequence fills only
+        partly) get it first."""
+        keys = [self.key_of[page] for page in cold.tolist() if page in self.key_of]
+        if not keys:
+            return
+        page_of = self.manager.prefix.page_of
+        lost = [key for key in keys if key not in page_of]
+        if lost:  # only a discard of tokens whose KV was written takes such a page out
+            raise InvariantError(f"expected the hot prefix cache to hold the pages left there at "
+                                 f"swap-out until copied, got {len(lost)} gone uncopied")
+        self.leave_cache(keys, np.array([page_of[key] for key in keys], np.int32))
+
+    def let_go(self, cold) -> None:
+        """Drop a tier reference on each of ``cold`` (int32); a page set aside that returns to
+        the tier's pool is no longer set aside."""
+        if len(cold):
+            for page in self.tier_allocator.decref(cold).tolist():
+                key = self.key_of.pop(page, None)
+                if key is not None:
+                    del self.cold_of[key]
