@@ -95,6 +95,10 @@ class KVCacheManager:
         Updated in place; a sequence's row is fixed while it lives. Entries past its pages are stale.
     seq_lens : int32 [max_seqs]
         Tokens of each row (0 for a free row).
+    on_evict, on_clear : callable or None
+        Called as ``f(keys, pages)`` (list of bytes, int32 [n]) just before cached pages are
+        evicted, or dropped by :meth:`clear_prefix_cache`, their KV still in place (a second tier
+        keeps what it needs: :class:`pagekv.swap.TieredKVCache` sets both).
 
     Notes
     -----
@@ -161,9 +165,6 @@ class KVCacheManager:
         # attach(reuse_cached=True) leaves pages of the coming step alone: that forward may fail.
         self._steps = 0
         self._cached_in_step = np.full(num_pages, -1, np.int64)
-        # Called as on_evict(keys, pages) just before cached pages are evicted, and as
-        # on_clear(keys, pages) just before clear_prefix_cache drops them (their KV is still
-        # there): a second tier can keep them (pagekv.swap.TieredKVCache sets both).
         self.on_evict = None
         self.on_clear = None
         self._hit_tokens = 0

@@ -15,7 +15,7 @@ step that takes it.
 A full page the hot prefix cache holds (a shared prompt, or the sequence's own full pages) is not
 copied at swap-out: it stays in the hot cache, evictable, with a tier page set aside for it, and
 its KV is copied there only if it leaves the cache (evicted or cleared) before the sequence comes
-back; ``prefetch`` shares it again if it has not.
+back; ``prefetch`` shares it again if it has not (:class:`pagekv.setaside.SetAside`).
 """
 
 import threading
