@@ -249,7 +249,7 @@ class TieredKVCache:
         self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
 
     def _spill(self, keys, pages) -> None:
-        """The manager's eviction hook: copy evicted prefix pages into the tier while they still hold
+        """On eviction, with spill_prefixes: copy evicted prefix pages into the tier while they hold
         their KV; the oldest spilled pages make room, and what does not fit is dropped. A key the
         tier holds already (its prefix was recomputed while spilled) is not copied again."""
         fresh = [i for i, key in enumerate(keys) if key not in self.tier.prefixes]
