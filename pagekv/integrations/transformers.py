@@ -309,9 +309,9 @@ class PagedCache(Cache):
         self._columns = 0
         self._real: list = []  # per finished forward, bool [batch, q_len]: which columns are tokens
         self._step: _Step | None = None
-        # How to take the forward under way back if it does not finish: (row, written, added) for
-        # each row it grew - the tokens whose KV was in place before it (a new row's prefix-cache
-        # hit) and whether it added the row. Emptied when the forward finishes.
+        # How to take the forward under way back if it does not finish: (row, written) for each
+        # row it grew - the tokens whose KV was in place before it, 0 for a row it added (freed;
+        # the pages it found in the prefix cache stay there). Emptied when the forward finishes.
         self._undo: list = []
         weakref.finalize(self, _release_rows, pool.manager, self._seq_ids, self._undo)
 
@@ -484,7 +484,7 @@ class PagedCache(Cache):
             self._seq_ids.extend([None] * batch)
         manager = self.pool.manager
         if q_len == 1 and real.all() and None not in self._seq_ids:  # decode: all rows or none
-            undo = [(row, manager.seq_len(seq_id), False) for row, seq_id in enumerate(self._seq_ids)]
+            undo = [(row, manager.seq_len(seq_id)) for row, seq_id in enumerate(self._seq_ids)]
             slots = manager.append_tokens(self._seq_ids, ids[:, 0])
             self._undo[:] = undo
         else:
@@ -533,11 +533,11 @@ class PagedCache(Cache):
                     seq_id = next(self.pool._ids)
                     hit = manager.add_sequence(seq_id, tokens)
                     self._seq_ids[i] = seq_id
-                    self._undo.append((i, hit, True))
+                    self._undo.append((i, 0))
                     row_slots = manager.batch([seq_id], num_new_tokens=len(tokens)).slot_mapping
                     row_slots[:hit] = -1  # pages shared from the prefix cache already hold this K/V
                 else:
-                    self._undo.append((i, manager.seq_len(self._seq_ids[i]), False))
+                    self._undo.append((i, manager.seq_len(self._seq_ids[i])))
                     row_slots = manager.append(self._seq_ids[i], tokens)
                 slots.append(row_slots)
         except BaseException:
@@ -590,18 +590,16 @@ def _free_sequences(manager, seq_ids: list) -> None:
 
 
 def _take_back(manager, seq_ids: list, undo: list) -> None:
-    """Undo one forward's growth of the rows (``undo``: (row, written, added), as PagedCache._undo
+    """Undo one forward's growth of the rows (``undo``: (row, written), as PagedCache._undo
     says): its tokens' KV is not (wholly) written, so each row keeps only its ``written`` tokens,
     rows it added are freed, and the prefix cache keeps none of the pages it handed out; empty
     ``undo``."""
-    for row, written, added in undo:
+    for row, written in undo:
         seq_id = seq_ids[row]
         if seq_id is None or seq_id not in manager:
             continue
         manager.discard(seq_id, written)
-        if added:
-            if written:
-                manager.free(seq_id)
+        if not written:
             seq_ids[row] = None
     undo.clear()
 
