@@ -107,12 +107,12 @@ class KVCacheManager:
     forward pass reads them; ``take_pending_copies`` is called once a step, right before its
     forward (it marks where a step begins). Fork, truncate, free or detach a sequence only once
     its slots are written: a full page enters the prefix cache when it is handed out, and a
-    copy-on-write copies what a page holds. Slots that will not be written (a forward that failed) are taken back with
-    :meth:`discard`. A queued copy holds a reference on its source until it is taken, so the
-    source is not handed out again (nor written by a second tier's restore or swap-in) before the
-    copy runs; a queued copy into a page released before it runs is dropped. A new sequence's full
-    prompt pages enter the prefix cache at once, so a second sequence with the same prompt in the
-    same batch shares them.
+    copy-on-write copies what a page holds. Slots that will not be written (a forward that
+    failed) are taken back with :meth:`discard`. A queued copy holds a reference on its source
+    until it is taken, so the source is not handed out again (nor written by a second tier's
+    restore or swap-in) before the copy runs; a queued copy into a page released before it runs
+    is dropped. A new sequence's full prompt pages enter the prefix cache at once, so a second
+    sequence with the same prompt in the same batch shares them.
 
     Examples
     --------
@@ -296,6 +296,8 @@ class KVCacheManager:
 
         Raises
         ------
+        ValueError
+            Not a 1-D array of integers.
         InvalidPageError
             A page id outside the pool.
         """
