@@ -45,27 +45,25 @@ class SetAside:
         self.key_of: dict[int, bytes] = {}   # the reverse
         self.pages_copied = 0
 
-    def plan(self, pages, sources):
-        """Which of a swap-out's distinct hot ``pages`` stay in the hot cache.
-
-        Parameters
-        ----------
-        pages, sources : int32 [n]
-            The pages, and where each one's KV is now (``manager.kv_sources``): a page that waits
-            for a copy-on-write copy is not the cache's to keep, its KV is not there yet.
+    def plan(self, pages):
+        """Which of a swap-out's distinct hot ``pages`` (int32 [n]) stay in the hot cache.
 
         Returns
         -------
+        sources : int32 [n]
+            Where each page's KV is now (``manager.kv_sources``): a page that waits for a
+            copy-on-write copy is not the cache's to keep, its KV is not there yet.
         keys : list of (bytes or None) [n]
             The prefix key of each page that stays (None: it crosses now).
         known : bool [n]
             Pages that have a tier page set aside already (another sequence left them first).
         """
+        sources = self.manager.kv_sources(pages)
         prefix = self.manager.prefix
         key_of = prefix.key_of if prefix is not None else {}
         keys = [key_of.get(page) if page == source else None
                 for page, source in zip(pages.tolist(), sources.tolist())]
-        return keys, np.array([key in self.cold_of for key in keys], bool)
+        return sources, keys, np.array([key in self.cold_of for key in keys], bool)
 
     def tier_pages(self, keys, known, fresh):
         """The tier page of each planned page: a page set aside already, or one of ``fresh``

@@ -227,7 +227,7 @@ class _PagedMemory:
     def swap_out(self, seq):
         """Detach ``seq`` onto tier pages; returns what swap_in needs and the pages copied now."""
         table = self.m.page_table(seq)
-        keys, known = self.set_aside.plan(table, self.m.kv_sources(table))
+        _, keys, known = self.set_aside.plan(table)
         tier_pages = self.set_aside.tier_pages(keys, known, self.tier.allocate(int((~known).sum())))
         if known.any():  # one tier reference per sequence using a page set aside already
             self.tier.incref(tier_pages[known])

@@ -119,8 +119,7 @@ class TieredKVCache:
         # tier reference per sequence: prefetching them together shares it again (attach_shared).
         hot, indices = _distinct_pages(tables)
         # a page still waiting for its copy-on-write copy holds nothing yet: read the copy's source
-        sources = self.manager.kv_sources(hot)
-        keys, known = self._set_aside.plan(hot, sources)
+        sources, keys, known = self._set_aside.plan(hot)
         cold = self._set_aside.tier_pages(keys, known, self._take_tier_pages(int((~known).sum())))
         now = np.array([key is None for key in keys], bool)  # the rest stays in the hot cache
         self._copy_out(sources[now], cold[now])
