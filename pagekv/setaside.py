@@ -78,19 +78,21 @@ class SetAside:
                 self.key_of[page] = key
         return cold
 
-    def leave_cache(self, keys, pages) -> None:
+    def leave_cache(self, keys, pages) -> dict:
         """Hot cached ``pages`` (int32) under ``keys`` leave the hot cache (the manager's
         ``on_evict``/``on_clear``): copy those set aside to their tier pages while they hold
-        their KV."""
-        todo = [(self.cold_of.pop(key), page) for key, page in zip(keys, pages.tolist())
-                if key in self.cold_of]
-        if not todo:
-            return
-        cold, hot = (np.array(column, np.int32) for column in zip(*todo))
+        their KV. Returns {prefix key: tier page} of the pages copied (now plain tier pages)."""
+        todo = [(key, page) for key, page in zip(keys, pages.tolist()) if key in self.cold_of]
+        copied = {key: self.cold_of.pop(key) for key, _ in todo}
+        if not copied:
+            return copied
+        hot = np.array([page for _, page in todo], np.int32)
+        cold = np.fromiter(copied.values(), np.int32, len(copied))
         for page in cold.tolist():
             del self.key_of[page]
         self.copy(hot, cold)
-        self.pages_copied += len(todo)
+        self.pages_copied += len(copied)
+        return copied
 
     def bring_in(self, cold) -> None:
         """Tier pages ``cold`` (int32) are about to be copied back: those whose KV is still only
@@ -114,3 +116,20 @@ class SetAside:
                 key = self.key_of.pop(page, None)
                 if key is not None:
                     del self.cold_of[key]
+
+    def check(self) -> None:
+        """Audit: the two maps are each other's inverse, every page set aside is held in the tier,
+        and the hot prefix cache holds every key set aside (its KV is nowhere else). Raises
+        InvariantError."""
+        if {page: key for key, page in self.cold_of.items()} != self.key_of:
+            raise InvariantError(f"expected the set-aside maps to be inverses, got {len(self.cold_of)} keys "
+                                 f"and {len(self.key_of)} pages")
+        cold = np.fromiter(self.key_of, np.int32, len(self.key_of))
+        free = cold[self.tier_allocator.refcount(cold) == 0]
+        if len(free):
+            raise InvariantError(f"expected tier pages set aside to be held, got free page {free[0]}")
+        page_of = self.manager.prefix.page_of if self.key_of else {}
+        lost = [key for key in self.cold_of if key not in page_of]
+        if lost:
+            raise InvariantError(f"expected the hot prefix cache to hold every page set aside, got "
+                                 f"{len(lost)} gone uncopied")

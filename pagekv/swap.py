@@ -15,7 +15,9 @@ step that takes it.
 A full page the hot prefix cache holds (a shared prompt, or the sequence's own full pages) is not
 copied at swap-out: it stays in the hot cache, evictable, with a tier page set aside for it, and
 its KV is copied there only if it leaves the cache (evicted or cleared) before the sequence comes
-back; ``prefetch`` shares it again if it has not (:class:`pagekv.setaside.SetAside`).
+back; ``prefetch`` shares it again if it has not (:class:`pagekv.setaside.SetAside`). Evicted
+with ``spill_prefixes``, it is kept as a spilled prefix on that same tier page (the prefix and the
+swapped sequence each hold a reference), not copied a second time.
 """
 
 import threading
@@ -23,7 +25,7 @@ import threading
 import numpy as np
 
 from pagekv.cache import KVCache
-from pagekv.errors import OutOfPagesError, UnknownSequenceError
+from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import threads as _threads
 from pagekv.manager import KVCacheManager, hashable_id, id_list
@@ -198,6 +200,24 @@ class TieredKVCache:
     def is_swapped(self, seq_id) -> bool:
         return hashable_id(seq_id) in self._swapped
 
+    def check(self) -> None:
+        """Audit the manager, the tier's allocator and pages set aside, and the tier's reference
+        counts: each tier page holds one reference per swapped-out sequence using it, per
+        sequence of a prefetch not yet collected, and one if a spilled prefix is kept on it.
+        O(num_pages); raises InvariantError."""
+        self.manager.check()
+        self.tier.allocator.check()
+        self._set_aside.check()
+        jobs = {id(job): job for job in self._inflight.values()}.values()
+        held = ([cold for _, cold in self._swapped.values()] + [job.tier_references for job in jobs]
+                + [np.fromiter(self.tier.prefixes.values(), np.int32, len(self.tier.prefixes))])
+        expected = np.bincount(np.concatenate(held), minlength=self.tier.num_pages)
+        actual = self.tier.allocator.refcount(np.arange(self.tier.num_pages))
+        bad = np.flatnonzero(actual != expected)
+        if len(bad):
+            raise InvariantError(f"tier page {bad[0]}: refcount {actual[bad[0]]}, expected {expected[bad[0]]} "
+                                 "(swapped and prefetching sequences using it + 1 if a spilled prefix)")
+
     # ------------------------------------------------------------------ prefix spill
     def add_sequence(self, seq_id, token_ids) -> int:
         """``manager.add_sequence``, after bringing back from the tier the prefix pages it would hit.
@@ -236,10 +256,11 @@ class TieredKVCache:
 
     def _evicted(self, keys, pages) -> None:
         """The manager's eviction hook: pages set aside for swapped-out sequences are copied to
-        their tier pages, and (with spill_prefixes) evicted prefixes are kept in the tier."""
-        self._set_aside.leave_cache(keys, pages)
+        their tier pages, and (with spill_prefixes) evicted prefixes are kept in the tier, on
+        those same tier pages where they were just copied there."""
+        copied = self._set_aside.leave_cache(keys, pages)
         if self.spill_prefixes:
-            self._spill(keys, pages)
+            self._spill(keys, pages, copied)
 
     def _copy_out(self, hot, cold) -> None:
         """Copy hot pages' KV (int32 [n]) into tier pages (int32 [n]): swap-out traffic."""
@@ -247,11 +268,17 @@ class TieredKVCache:
         _cache_ops.copy_across(self._hot, self._cold, hot, cold)
         self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
 
-    def _spill(self, keys, pages) -> None:
-        """On eviction, with spill_prefixes: copy evicted prefix pages into the tier while they hold
-        their KV; the oldest spilled pages make room, and what does not fit is dropped. A key the
-        tier holds already (its prefix was recomputed while spilled) is not copied again."""
+    def _spill(self, keys, pages, copied) -> None:
+        """On eviction, with spill_prefixes: keep evicted prefix pages in the tier. A page just
+        copied to the tier page set aside for it (``copied``: {key: tier page}) is kept there, a
+        second reference on that page; the rest are copied to tier pages of their own while they
+        hold their KV, the oldest spilled pages making room, and what does not fit is dropped. A key
+        the tier holds already (its prefix was recomputed while spilled) is not kept again."""
         fresh = [i for i, key in enumerate(keys) if key not in self.tier.prefixes]
+        for key in [keys[i] for i in fresh if keys[i] in copied]:
+            self.tier.allocator.incref([copied[key]])
+            self.tier.keep_prefix(key, copied[key])
+        fresh = [i for i in fresh if keys[i] not in copied]
         keys, pages = [keys[i] for i in fresh], np.asarray(pages)[fresh]
         room = self._tier_room()
         if not keys or not room:
@@ -266,8 +293,8 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ helpers
     def _tier_room(self) -> int:
-        """Tier pages an allocation could get: free ones plus spilled prefixes (droppable)."""
-        return self.tier.allocator.num_free + len(self.tier.prefixes)
+        """Tier pages an allocation could get: free ones plus those spilled prefixes alone hold."""
+        return self.tier.allocator.num_free + self.tier.droppable_pages()
 
     def _take_tier_pages(self, count):
         """Allocate ``count`` tier pages, dropping spilled prefixes (oldest first) if needed."""

@@ -192,13 +192,21 @@ class OffloadTier:
         return self.prefixes.pop(key)
 
     def evict_prefixes(self, count: int) -> int:
-        """Free up to ``count`` least recently used spilled pages; returns how many were freed."""
+        """Free up to ``count`` pages by dropping the least recently used spilled prefixes whose page
+        nothing else holds; returns how many were freed. A prefix whose page a swapped-out sequence
+        shares (:class:`pagekv.TieredKVCache` spills a page set aside at swap-out onto that page)
+        stays: dropping it would free nothing."""
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
             raise ValueError(f"expected count an integer >= 0, got {count!r}")
-        victims = [self.prefixes.popitem(last=False)[1] for _ in range(min(count, len(self.prefixes)))]
-        if victims:
-            self.allocator.decref(victims)
-        return len(victims)
+        victims = [key for key, alone in zip(self.prefixes, self._alone()) if alone][:count]
+        pages = [self.prefixes.pop(key) for key in victims]
+        if pages:
+            self.allocator.decref(pages)
+        return len(pages)
+
+    def droppable_pages(self) -> int:
+        """Pages :meth:`evict_prefixes` could free: spilled prefixes' pages nothing else holds."""
+        return int(self._alone().sum())
 
     @property
     def page_elements(self) -> int:
@@ -206,6 +214,11 @@ class OffloadTier:
         return self.spec.num_kv_heads * self.spec.page_size * self.spec.head_dim
 
     # ------------------------------------------------------------------ helpers
+    def _alone(self):
+        """Per spilled prefix (LRU order), whether its page holds only the prefix's reference."""
+        pages = np.fromiter(self.prefixes.values(), np.int32, len(self.prefixes))
+        return self.allocator.refcount(pages) == 1
+
     def _shape(self):
         return pool_shape(self.spec, self.num_pages)
 

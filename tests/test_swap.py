@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pagekv import (
-    InvalidPageError, KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, PageStateError,
+    InvalidPageError, InvariantError, KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, PageStateError,
     UnknownSequenceError)
 from pagekv.prefix import chain_keys
 from pagekv.swap import TieredKVCache
@@ -209,6 +209,92 @@ def test_a_freed_swapped_sequence_gives_back_the_tier_pages_set_aside_for_it():
     m.check()
 
 
+def test_a_page_set_aside_and_evicted_is_spilled_on_the_tier_page_it_was_copied_to():
+    """With spill_prefixes, a's full pages left hot at swap-out and then evicted cross once: the
+    spilled prefix is kept on the tier page set aside for it (a second reference), not copied to
+    another. Such a page is not room (dropping the prefix frees nothing: a swap-out drops only
+    prefixes alone on their pages, and refuses what they cannot make room for), the prefix comes
+    back on a hit, and the swapped sequence comes back whole."""
+    rng = np.random.default_rng(9)
+    t = tiered(hot_pages=6, tier_pages=5)
+    m = t.manager
+    page = t.cache.spec.bytes_per_page
+    m.add_sequence("p", [200, 201, 202, 203, 204])      # 1 full page + 1 token
+    fill(t, "p", rng)
+    m.free("p")                                         # its full page stays cached
+    m.add_sequence("a", list(range(9)))                 # 2 full pages + 1 token
+    kv = fill(t, "a", rng)
+    t.swap_out(["a"])                                   # 1 page copied, 2 set aside
+    m.add_sequence("filler", list(range(100, 124)))     # 6 pages: evicts p's page and a's two
+    assert t.bytes_swapped_out == 3 * page and t.bytes_spilled == page  # p's page: a tier page of its own
+    refs = t.tier.allocator.refcount(list(t.tier.prefixes.values()))
+    assert sorted(refs.tolist()) == [1, 2, 2] and t.tier.allocator.num_used == 4
+    assert t.tier.droppable_pages() == 1
+    t.check()
+    m.free("filler")
+    m.clear_prefix_cache()
+    m.add_sequence("b", [60, 61, 62])
+    kv_b = fill(t, "b", rng)
+    m.add_sequence("c", [70, 71, 72])
+    kv_c = fill(t, "c", rng)
+    m.add_sequence("d", [80, 81, 82])
+    fill(t, "d", rng)
+    before = snapshot(t)
+    with pytest.raises(OutOfPagesError):
+        t.swap_out(["b", "c", "d"])                     # 3 pages: 1 free, the prefixes free only 1
+    assert snapshot(t) == before
+    t.swap_out(["b", "c"])                              # the free page and p's, its prefix dropped
+    assert len(t.tier.prefixes) == 2 and t.tier.allocator.num_free == 0
+    t.check()
+    assert t.add_sequence("again", list(range(9))) == 8  # a's two come back from the tier
+    assert not t.tier.prefixes and t.tier.allocator.num_used == 5  # a, b and c still hold theirs
+    np.testing.assert_array_equal(kv_of(t, "again")[:, :, :2], kv[:, :, :2])
+    m.free("d")
+    forget_free_pages(t)
+    t.prefetch(["a", "b", "c"])                         # a shares the 2 restored pages
+    t.wait()
+    np.testing.assert_array_equal(kv_of(t, "a"), kv)
+    np.testing.assert_array_equal(kv_of(t, "b"), kv_b)
+    np.testing.assert_array_equal(kv_of(t, "c"), kv_c)
+    assert t.bytes_swapped_in == 3 * page and t.tier.allocator.num_free == 5
+    t.check()
+
+
+def test_check_finds_a_tier_reference_gone_astray():
+    """TieredKVCache.check audits the tier's counts against its swapped sequences and prefixes."""
+    t = tiered(hot_pages=6, tier_pages=4)
+    t.manager.add_sequence("a", list(range(6)))
+    fill(t, "a", np.random.default_rng(10))
+    t.swap_out(["a"])
+    t.check()
+    t.tier.allocator.incref(t._swapped["a"][1][:1])
+    with pytest.raises(InvariantError, match="refcount 2, expected 1"):
+        t.check()
+
+
+@pytest.mark.parametrize("damage", ["freed", "not inverse", "not cached"])
+def test_check_finds_pages_set_aside_gone_wrong(damage):
+    t = tiered(hot_pages=6, tier_pages=4, spill=False)
+    t.manager.add_sequence("a", list(range(9)))
+    fill(t, "a", np.random.default_rng(11))
+    t.swap_out(["a"])
+    t.check()
+    aside = t._set_aside
+    key, cold = next(iter(aside.cold_of.items()))
+    if damage == "freed":
+        t.tier.allocator.decref([cold])  # its one reference (a's) gone behind the tier's back
+        match = "expected tier pages set aside to be held, got free page"
+    elif damage == "not inverse":
+        aside.key_of[cold] = bytes(16)
+        match = "expected the set-aside maps to be inverses"
+    else:
+        del aside.cold_of[key], aside.key_of[cold]
+        aside.cold_of[bytes(16)], aside.key_of[cold] = cold, bytes(16)
+        match = "expected the hot prefix cache to hold every page set aside, got 1 gone uncopied"
+    with pytest.raises(InvariantError, match=match):
+        t.check()
+
+
 def test_swap_failures_change_nothing():
     t = tiered(hot_pages=12, tier_pages=3)
     m = t.manager
@@ -230,8 +316,9 @@ def test_swap_failures_change_nothing():
     with pytest.raises(UnknownSequenceError):
         t.prefetch(["b"])                 # hot, not swapped
     assert snapshot(t) == before
-    t.free("a")                           # a swapped sequence frees its tier pages
-    assert t.tier.allocator.num_free == 3 and not t.is_swapped("a")
+    t.free("a")                           # a swapped sequence frees its tier pages but the one
+    assert len(t.tier.prefixes) == 1      # where its page big evicted is kept as a spilled prefix
+    assert t.tier.allocator.num_free == 2 and not t.is_swapped("a")
 
 
 def test_prefetch_racing_with_appends_frees_and_swaps_corrupts_nothing():
@@ -406,6 +493,10 @@ def test_tier_prefix_calls_refuse_bad_input_and_change_nothing():
     assert tier.evict_prefixes(0) == 0 and state() == before  # nothing asked, nothing freed
     tier.keep_prefix(key, second)  # the same prefix again: the page it named goes back to the tier
     assert tier.prefixes == {key: second} and tier.allocator.is_free([first]).tolist() == [True]
+    tier.allocator.incref([second])  # a swapped-out sequence shares the page: dropping frees nothing
+    assert tier.droppable_pages() == 0 and tier.evict_prefixes(5) == 0 and tier.prefixes == {key: second}
+    tier.allocator.decref([second])
+    assert tier.droppable_pages() == 1
     assert tier.evict_prefixes(5) == 1 and tier.allocator.num_free == 4
     tier.allocator.check()
 
@@ -720,7 +811,7 @@ class _TierEngine:
             assert "expected" in str(exc) or isinstance(exc, OutOfPagesError)
         for seq_id in self.at_rest():
             self.check(seq_id)
-        m.check()
+        t.check()
 
 
 @pytest.mark.parametrize("spill", [False, True])
@@ -737,3 +828,7 @@ def test_random_work_on_a_tiered_cache_keeps_every_sequences_kv(spill):
         engine.t.wait()
         for seq_id in engine.at_rest():
             engine.check(seq_id)
+        for seq_id in list(engine.tokens):
+            engine.t.free(seq_id)
+        engine.t.check()  # the tier now holds only spilled prefixes, one reference each
+        assert engine.t.tier.allocator.num_used == len(engine.t.tier.prefixes)
