@@ -55,7 +55,7 @@ def simulate(args, model_of):
         raise CommandError("expected at least one request in the trace, got none")
     config = SimConfig(model=model, memory_bytes=args.memory, page_size=args.page_size,
                        dtype=args.dtype, max_seqs=args.max_seqs, max_new_tokens=args.max_new_tokens,
-                       swap_memory_bytes=args.swap_memory)
+                       swap_memory_bytes=args.swap_memory, spill_prefixes=args.spill_prefixes)
     if config.num_pages < 1:
         raise CommandError(f"expected a budget of at least one page ({config.spec.bytes_per_page} B), "
                            f"got {args.memory} B")
@@ -101,6 +101,10 @@ def simulate(args, model_of):
                   f"of recomputed ({r.swap_out_bytes / 2**30:.2f} GiB out, {r.swap_in_bytes / 2**30:.2f} "
                   f"GiB in at {config.cost.swap_bandwidth_bytes_s / 1e9:.0f} GB/s); "
                   f"{r.swap_in_hidden_fraction:.0%} of swap-in time hidden behind compute")
+            if config.spill_prefixes:
+                print(f"paged+swap: evicted prefix pages copied to host memory: "
+                      f"{r.spilled_bytes / 2**30:.2f} GiB; copied back for prompts that hit them: "
+                      f"{r.restored_bytes / 2**30:.2f} GiB")
     for policy, figures in kernel.items():
         if figures.get("calls"):
             seconds = figures["seconds"] / figures["calls"]

@@ -13,7 +13,10 @@ Four KV-memory policies replay the same trace under the same budget:
   resumes (before new admissions) when its pages fit again, its swap-in issued one step ahead so it
   overlaps that step's compute. As in ``TieredKVCache``, full pages the prefix cache holds do not
   cross at swap-out unless they are evicted before the sequence resumes, and those still cached
-  then (a shared system prompt) are shared again instead of copied back.
+  then (a shared system prompt) are shared again instead of copied back. With
+  ``SimConfig.spill_prefixes`` (``TieredKVCache``'s default, off here: see the README) the host
+  tier is also a second-level prefix cache: pages the hot prefix cache evicts are copied to it,
+  and an admitted prompt's pages found there are copied back instead of recomputed.
 
 The loop: requests arrive by timestamp and wait in FCFS order; a request is admitted while its
 prompt's memory can be had; each step prefills up to ``prefill_chunk`` prompt tokens (chunked
@@ -29,11 +32,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pagekv._alloc import PageAllocator
 from pagekv.errors import OutOfPagesError
 from pagekv.manager import KVCacheManager
 from pagekv.models import MAX_CONTEXT
 from pagekv.setaside import SetAside
+from pagekv.spill import PrefixSpill
+from pagekv.tier import TierPages
 from pagekv.trace import prompt_tokens
 
 __all__ = ["CostModel", "SimConfig", "PolicyResult", "simulate", "POLICIES"]
@@ -81,6 +85,7 @@ class SimConfig:
     max_new_tokens: int = 2048
     prefill_chunk: int = 8192
     swap_memory_bytes: int = 64 * 2**30   # the host tier of "paged+swap"
+    spill_prefixes: bool = False          # "paged+swap": the host tier keeps evicted prefix pages
     cost: CostModel = field(default_factory=CostModel)
 
     @property
@@ -116,6 +121,8 @@ class PolicyResult:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_in_hidden_fraction: float = 0.0   # of swap-in time, overlapped with compute
+    spilled_bytes: int = 0                 # evicted prefix pages copied to the host tier
+    restored_bytes: int = 0                # and copied back on a prompt's hit
     timeline: dict = field(default_factory=lambda: {"t": [], "memory": [], "running": []})
 
     def as_dict(self):
@@ -179,19 +186,24 @@ class _PagedMemory:
         self.page_size = config.page_size
         self.bytes_per_page = config.spec.bytes_per_page
         tier_pages = config.spec.pages_for_budget(config.swap_memory_bytes) if swap else 0
-        self.tier = PageAllocator(tier_pages) if tier_pages else None  # bookkeeping only: no KV data
+        self.tier = TierPages(tier_pages) if tier_pages else None  # bookkeeping only: no KV data
         self.max_pages = -(-(MAX_CONTEXT + config.max_new_tokens) // config.page_size)
         self.m = KVCacheManager(num_pages=config.num_pages, page_size=config.page_size,
                                 max_seqs=config.max_seqs, max_pages_per_seq=self.max_pages,
                                 enable_prefix_caching=prefix)
         self.capacity_pages = config.num_pages
         # a swapped sequence's cached full pages stay hot, copied to the tier only if they leave
-        # the hot cache first (as TieredKVCache does); no KV data, so the copies are only counted
-        self.set_aside = None
-        self._copied_late = 0
+        # the hot cache first, and evicted prefix pages are kept in the tier (as TieredKVCache
+        # does); no KV data, so the copies are only counted
+        self.set_aside = self.spill = None
+        self._counted = (0, 0, 0)
         if self.tier is not None and prefix:
-            self.set_aside = SetAside(self.m, self.tier, lambda hot, cold: None)
+            self.set_aside = SetAside(self.m, self.tier.allocator, _no_copy)
             self.m.on_evict = self.m.on_clear = self.set_aside.leave_cache
+            if config.spill_prefixes:
+                self.spill = PrefixSpill(self.m, self.tier, self.set_aside,
+                                         copy_out=_no_copy, copy_in=_no_copy)
+                self.m.on_evict = self.spill.evicted
 
     def fits_ever(self, num_tokens):
         pages = -(-(num_tokens + 1) // self.page_size)
@@ -203,6 +215,8 @@ class _PagedMemory:
         stats = self.m.stats()
         if need > stats.pages_free + stats.pages_cached:
             return None
+        if self.spill is not None:  # its pages in the tier come back first, as hits
+            self.spill.restore(tokens)
         try:
             return self.m.add_sequence(seq, tokens)
         except OutOfPagesError:
@@ -222,22 +236,26 @@ class _PagedMemory:
     def swap_pages(self, seq):
         """Pages a swap of ``seq`` moves, or None when there is no tier room for them."""
         pages = len(self.m.page_table(seq))
-        return pages if self.tier is not None and pages <= self.tier.num_free else None
+        return pages if self.tier is not None and pages <= self.tier.room() else None
 
     def swap_out(self, seq):
         """Detach ``seq`` onto tier pages; returns what swap_in needs and the pages copied now."""
         table = self.m.page_table(seq)
         _, keys, known = self.set_aside.plan(table)
-        tier_pages = self.set_aside.tier_pages(keys, known, self.tier.allocate(int((~known).sum())))
+        tier_pages = self.set_aside.tier_pages(keys, known, self.tier.take(int((~known).sum())))
         if known.any():  # one tier reference per sequence using a page set aside already
-            self.tier.incref(tier_pages[known])
+            self.tier.allocator.incref(tier_pages[known])
         return (self.m.detach(seq), tier_pages), sum(key is None for key in keys)
 
-    def copied_late(self):
-        """Pages copied to the tier as they left the hot cache since the last call."""
-        late = self.set_aside.pages_copied - self._copied_late if self.set_aside is not None else 0
-        self._copied_late += late
-        return late
+    def tier_traffic(self):
+        """Pages moved since the last call: (set aside at swap-out and copied to the tier as they
+        left the hot cache, spilled to the tier as they were evicted, restored from it)."""
+        counts = (self.set_aside.pages_copied if self.set_aside else 0,
+                  self.spill.pages_spilled if self.spill else 0,
+                  self.spill.pages_restored if self.spill else 0)
+        moved = tuple(now - before for now, before in zip(counts, self._counted))
+        self._counted = counts
+        return moved
 
     def swap_in(self, seq, swapped):
         """Attach a swapped sequence again if its pages (and a page of headroom per running
@@ -261,6 +279,10 @@ class _PagedMemory:
     def hit_rate(self):
         stats = self.m.stats()
         return stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens else 0.0
+
+
+def _no_copy(src, dst):
+    """The simulator moves no KV: copies are only counted."""
 
 
 # ----------------------------------------------------------------------------- the serving loop
@@ -362,7 +384,7 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
                 prefill_tokens += take
         # decode one token for every prefilled sequence; preempt the newest on a page shortage
         decoding = [e for e in running if not e.to_prefill and not e.resuming]
-        swap_out_now = 0.0
+        serial_copies = 0.0
         while decoding and not memory.decode([e.seq for e in decoding]):
             victim = running.pop()
             result.preemptions += 1
@@ -377,15 +399,17 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
                 swapped.append((victim, record))
                 result.swap_outs += 1
                 result.swap_out_bytes += copied * memory.bytes_per_page
-                swap_out_now += config.cost.swap_seconds(copied * memory.bytes_per_page)  # before reuse
+                serial_copies += config.cost.swap_seconds(copied * memory.bytes_per_page)  # before reuse
             else:
                 memory.release(victim.seq)
                 waiting.appendleft((victim.rid, victim.generated))
             decoding = [e for e in running if not e.to_prefill and not e.resuming]
-        if policy == "paged+swap":  # pages left hot at swap-out, copied as they were evicted
-            late = memory.copied_late() * memory.bytes_per_page
+        if policy == "paged+swap":  # copies at eviction and admission, before the step computes
+            late, spilled, restored = (pages * memory.bytes_per_page for pages in memory.tier_traffic())
             result.swap_out_bytes += late
-            swap_out_now += config.cost.swap_seconds(late)
+            result.spilled_bytes += spilled
+            result.restored_bytes += restored
+            serial_copies += config.cost.swap_seconds(late + spilled + restored)
         kv_tokens = sum(len(e.prompt) + e.generated for e in decoding)
         dt = config.cost.step_seconds(weight_bytes=weight_bytes if (decoding or prefill_tokens) else 0,
                                       kv_bytes=kv_tokens * spec.bytes_per_token,
@@ -395,7 +419,7 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
         # a swap-in issued this step overlaps its compute; what does not fit delays the next step
         swap_in_seconds += swap_in_now
         swap_in_hidden += min(swap_in_now, dt)
-        dt += swap_out_now + max(0.0, swap_in_now - dt)
+        dt += serial_copies + max(0.0, swap_in_now - dt)
         for entry in running:
             entry.resuming = False
         now += dt
@@ -444,7 +468,9 @@ def simulate(requests, config, policy, *, progress=None, step_hook=None):
             memory.release(entry.seq)
         memory.m.clear_prefix_cache()
         memory.m.check()
+        if memory.tier is not None:
+            memory.tier.evict_prefixes(len(memory.tier.prefixes))
         if memory.m.allocator.num_free != memory.m.allocator.num_pages or \
-                (memory.tier is not None and memory.tier.num_free != memory.tier.num_pages):
+                (memory.tier is not None and memory.tier.allocator.num_free != memory.tier.allocator.num_pages):
             raise RuntimeError("pages leaked during the simulation")
     return result

@@ -25,12 +25,12 @@ import threading
 import numpy as np
 
 from pagekv.cache import KVCache
-from pagekv.errors import InvariantError, OutOfPagesError, UnknownSequenceError
+from pagekv.errors import InvariantError, UnknownSequenceError
 from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import threads as _threads
 from pagekv.manager import KVCacheManager, hashable_id, id_list
-from pagekv.prefix import chain_keys
 from pagekv.setaside import SetAside
+from pagekv.spill import PrefixSpill
 from pagekv.tier import OffloadTier
 
 __all__ = ["TieredKVCache"]
@@ -84,12 +84,18 @@ class TieredKVCache:
         self._cold = _planes(tier.data)
         self._swapped: dict = {}    # seq_id -> (DetachedSequence, tier pages int32)
         # hot cached pages swapped-out sequences left in the hot cache, with their tier pages
-        self._set_aside = SetAside(manager, tier.allocator, self._copy_out)
+        self._set_aside = SetAside(manager, tier.allocator, self._to_tier)
         self.spill_prefixes = bool(spill_prefixes)
         self._inflight: dict = {}   # seq_id -> _Prefetch
-        self.bytes_swapped_out = self.bytes_swapped_in = self.bytes_spilled = self.bytes_restored = 0
-        if manager.prefix is not None:
-            manager.on_evict, manager.on_clear = self._evicted, self._set_aside.leave_cache
+        self._pages_out = 0  # copied at swap-out (pages set aside count as SetAside's)
+        self.bytes_swapped_in = 0
+        self._spill: PrefixSpill | None = None
+        if manager.prefix is not None:  # a reopened tier file holds prefixes even if none spill
+            spill = PrefixSpill(manager, tier, self._set_aside, copy_out=self._to_tier,
+                                copy_in=self._from_tier)
+            manager.on_evict = spill.evicted if spill_prefixes else self._set_aside.leave_cache
+            manager.on_clear = self._set_aside.leave_cache
+            self._spill = spill
 
     # ------------------------------------------------------------------ swapping
     def swap_out(self, seq_ids) -> None:
@@ -122,9 +128,10 @@ class TieredKVCache:
         hot, indices = _distinct_pages(tables)
         # a page still waiting for its copy-on-write copy holds nothing yet: read the copy's source
         sources, keys, known = self._set_aside.plan(hot)
-        cold = self._set_aside.tier_pages(keys, known, self._take_tier_pages(int((~known).sum())))
+        cold = self._set_aside.tier_pages(keys, known, self.tier.take(int((~known).sum())))
         now = np.array([key is None for key in keys], bool)  # the rest stays in the hot cache
-        self._copy_out(sources[now], cold[now])
+        self._to_tier(sources[now], cold[now])
+        self._pages_out += int(now.sum())
         # each use of a page by a sequence holds a tier reference (a new page comes with one)
         uses = np.bincount(np.concatenate(indices), minlength=len(hot)) - (~known).astype(np.int64)
         if uses.any():
@@ -231,79 +238,35 @@ class TieredKVCache:
         ValueError
             A ``seq_id`` that is swapped out, and what ``manager.add_sequence`` raises.
         """
-        manager = self.manager
         if hashable_id(seq_id) in self._swapped:
             raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is swapped out")
-        if (manager.prefix is not None and self.tier.prefixes and seq_id not in manager
-                and manager.can_add(token_ids)):
-            tokens = np.asarray(token_ids)
-            # the pages add_sequence can hit: not one holding the last token, which it computes
-            keys = chain_keys(tokens, manager.page_size)[:(len(tokens) - 1) // manager.page_size]
-            hot = manager.prefix.lookup(keys)
-            run = []
-            for key in keys[len(hot):]:
-                if key not in self.tier.prefixes:
-                    break
-                run.append(key)
-            if run:  # can_add found room for the whole prompt, so for these pages too
-                cold = np.array([self.tier.take_prefix(key) for key in run], np.int32)  # pinned
-                pages = manager.restore_cached(run, keep=hot)
-                _threads.start()
-                _cache_ops.copy_across(self._cold, self._hot, cold, pages)
-                self.tier.allocator.decref(cold)
-                self.bytes_restored += len(run) * self.cache.spec.bytes_per_page
-        return manager.add_sequence(seq_id, token_ids)
+        if self._spill is not None and seq_id not in self.manager:
+            self._spill.restore(token_ids)
+        return self.manager.add_sequence(seq_id, token_ids)
 
-    def _evicted(self, keys, pages) -> None:
-        """The manager's eviction hook: pages set aside for swapped-out sequences are copied to
-        their tier pages, and (with spill_prefixes) evicted prefixes are kept in the tier, on
-        those same tier pages where they were just copied there."""
-        copied = self._set_aside.leave_cache(keys, pages)
-        if self.spill_prefixes:
-            self._spill(keys, pages, copied)
+    # ------------------------------------------------------------------ traffic
+    @property
+    def bytes_swapped_out(self) -> int:
+        return (self._pages_out + self._set_aside.pages_copied) * self.cache.spec.bytes_per_page
 
-    def _copy_out(self, hot, cold) -> None:
-        """Copy hot pages' KV (int32 [n]) into tier pages (int32 [n]): swap-out traffic."""
-        _threads.start()
-        _cache_ops.copy_across(self._hot, self._cold, hot, cold)
-        self.bytes_swapped_out += len(hot) * self.cache.spec.bytes_per_page
+    @property
+    def bytes_spilled(self) -> int:
+        return self._spill.pages_spilled * self.cache.spec.bytes_per_page if self._spill else 0
 
-    def _spill(self, keys, pages, copied) -> None:
-        """On eviction, with spill_prefixes: keep evicted prefix pages in the tier. A page just
-        copied to the tier page set aside for it (``copied``: {key: tier page}) is kept there, a
-        second reference on that page; the rest are copied to tier pages of their own while they
-        hold their KV, the oldest spilled pages making room, and what does not fit is dropped. A key
-        the tier holds already (its prefix was recomputed while spilled) is not kept again."""
-        fresh = [i for i, key in enumerate(keys) if key not in self.tier.prefixes]
-        for key in [keys[i] for i in fresh if keys[i] in copied]:
-            self.tier.allocator.incref([copied[key]])
-            self.tier.keep_prefix(key, copied[key])
-        fresh = [i for i in fresh if keys[i] not in copied]
-        keys, pages = [keys[i] for i in fresh], np.asarray(pages)[fresh]
-        room = self._tier_room()
-        if not keys or not room:
-            return
-        keys, pages = keys[-room:], pages[-room:]
-        cold = self._take_tier_pages(len(keys))
-        _threads.start()
-        _cache_ops.copy_across(self._hot, self._cold, pages, cold)
-        for key, page in zip(keys, cold.tolist()):
-            self.tier.keep_prefix(key, page)
-        self.bytes_spilled += len(keys) * self.cache.spec.bytes_per_page
+    @property
+    def bytes_restored(self) -> int:
+        return self._spill.pages_restored * self.cache.spec.bytes_per_page if self._spill else 0
 
     # ------------------------------------------------------------------ helpers
-    def _tier_room(self) -> int:
-        """Tier pages an allocation could get: free ones plus those spilled prefixes alone hold."""
-        return self.tier.allocator.num_free + self.tier.droppable_pages()
+    def _to_tier(self, hot, cold) -> None:
+        """Copy hot pages' KV into tier pages (int32 [n] each)."""
+        _threads.start()
+        _cache_ops.copy_across(self._hot, self._cold, hot, cold)
 
-    def _take_tier_pages(self, count):
-        """Allocate ``count`` tier pages, dropping spilled prefixes (oldest first) if needed."""
-        if count > self._tier_room():
-            raise OutOfPagesError(count, self._tier_room())
-        shortfall = count - self.tier.allocator.num_free
-        if shortfall > 0:
-            self.tier.evict_prefixes(shortfall)
-        return self.tier.allocator.allocate(count)
+    def _from_tier(self, cold, hot) -> None:
+        """Copy tier pages' KV into hot pages (int32 [n] each), on this thread."""
+        _threads.start()
+        _cache_ops.copy_across(self._cold, self._hot, cold, hot)
 
     def _collect(self, job):
         """A finished prefetch: its tier pages go back to the tier, its sequences are at rest."""

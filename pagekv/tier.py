@@ -3,6 +3,7 @@
 Same page layout as :class:`pagekv.KVCache` (``[num_layers, 2, num_pages, num_kv_heads, page_size,
 head_dim]``) and its own :class:`pagekv.PageAllocator`. Besides swapped-out sequences it keeps
 prefix pages spilled from the hot prefix cache, under their prefix keys, least recently used first.
+That bookkeeping, without the KV, is :class:`TierPages` (the simulator's host tier is one).
 
 File format (little-endian), so a tier file outlives its process and a new process finds its cached
 prefixes again::
@@ -22,16 +23,17 @@ import os
 import struct
 import zlib
 from collections import OrderedDict
+from itertools import islice
 
 import numpy as np
 
 from pagekv._alloc import PageAllocator
 from pagekv.cache import _STORAGE, check_fits_in_memory
-from pagekv.errors import PageStateError, PagekvError
+from pagekv.errors import OutOfPagesError, PageStateError, PagekvError
 from pagekv.prefix import KEY_BYTES
 from pagekv.spec import KVCacheSpec, pool_shape
 
-__all__ = ["OffloadTier", "TierFileError"]
+__all__ = ["OffloadTier", "TierFileError", "TierPages"]
 
 MAGIC = b"PAGEKVT1"
 VERSION = 1
@@ -45,8 +47,106 @@ class TierFileError(PagekvError, ValueError):
     """A tier file that is not one, is truncated, or fails its checksums."""
 
 
-class OffloadTier:
-    """A pool of ``num_pages`` pages of ``spec`` in RAM, or in a new file at ``path``.
+class TierPages:
+    """A tier's page bookkeeping, without the KV: its allocator, and the prefix pages spilled from
+    the hot prefix cache kept on its pages, under their prefix keys, least recently used first.
+
+    Parameters
+    ----------
+    num_pages : int
+
+    Attributes
+    ----------
+    allocator : PageAllocator
+    prefixes : OrderedDict[bytes, int]
+        Spilled prefix pages: key -> page, least recently used first. Each holds one reference on
+        its page; a swapped-out sequence may hold others.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.allocator = PageAllocator(num_pages)
+        self.prefixes: OrderedDict[bytes, int] = OrderedDict()
+        self._shared: set[int] = set()  # prefix pages kept with other references on them
+
+    def keep_prefix(self, key: bytes, page: int) -> None:
+        """Record that tier ``page`` holds the prefix page ``key`` (a 16-byte ``prefix.page_key``),
+        most recently used. The caller allocated the page and hands its reference to the tier; a
+        page already kept under ``key`` is released (a key names the same tokens, so the same KV).
+
+        Raises InvalidPageError for a page outside the tier, PageStateError for a free one, and
+        ValueError for a key that is not 16 bytes; the tier is then unchanged.
+        """
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(f"expected a {KEY_BYTES}-byte prefix key (bytes), got {key!r:.80}")
+        references = self.allocator.refcount([page])[0]  # refcount refuses ids outside the tier
+        if references == 0:
+            raise PageStateError(f"expected a tier page the caller allocated, got free page {page}")
+        replaced = self.prefixes.pop(key, None)
+        self.prefixes[key] = int(page)
+        if references > 1:  # a swapped-out sequence holds it too
+            self._shared.add(int(page))
+        if replaced is not None:
+            self._shared.discard(replaced)
+            self.allocator.decref([replaced])
+
+    def take_prefix(self, key: bytes) -> int:
+        """Forget ``key`` and return its page; the caller now owns the page's reference."""
+        if key not in self.prefixes:
+            raise KeyError(f"expected the key of a spilled prefix page, got {key!r:.80}")
+        page = self.prefixes.pop(key)
+        self._shared.discard(page)
+        return page
+
+    def evict_prefixes(self, count: int) -> int:
+        """Free up to ``count`` pages by dropping the least recently used spilled prefixes whose page
+        nothing else holds; returns how many were freed. A prefix whose page a swapped-out sequence
+        shares (a page set aside at swap-out is spilled onto the tier page it was copied to) stays:
+        dropping it would free nothing."""
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"expected count an integer >= 0, got {count!r}")
+        shared = self._still_shared()
+        victims = list(islice((key for key, page in self.prefixes.items() if page not in shared), count))
+        pages = [self.prefixes.pop(key) for key in victims]
+        if pages:
+            self.allocator.decref(pages)
+        return len(pages)
+
+    def droppable_pages(self) -> int:
+        """Pages :meth:`evict_prefixes` could free: spilled prefixes' pages nothing else holds."""
+        return len(self.prefixes) - len(self._still_shared())
+
+    def room(self) -> int:
+        """Pages :meth:`take` could get: free ones plus those only spilled prefixes hold."""
+        return self.allocator.num_free + self.droppable_pages()
+
+    def take(self, count: int):
+        """Allocate ``count`` pages (int32 [count], a reference each), dropping spilled prefixes
+        (least recently used first) if the free pages are too few.
+
+        Raises
+        ------
+        OutOfPagesError
+            Fewer than ``count`` pages even after dropping them; nothing changed.
+        """
+        room = self.room()
+        if count > room:
+            raise OutOfPagesError(count, room)
+        shortfall = count - self.allocator.num_free
+        if shortfall > 0:
+            self.evict_prefixes(shortfall)
+        return self.allocator.allocate(count)
+
+    def _still_shared(self) -> set:
+        """The prefix pages other references still hold (their holders let go of the rest): O(the
+        pages kept shared), not O(all prefixes), as evictions ask for it every time."""
+        pages = np.fromiter(self._shared, np.int32, len(self._shared))
+        self._shared = set(pages[self.allocator.refcount(pages) > 1].tolist())
+        return self._shared
+
+
+class OffloadTier(TierPages):
+    """A pool of ``num_pages`` pages of ``spec`` in RAM, or in a new file at ``path``: the
+    bookkeeping of :class:`TierPages` and the pages' KV.
 
     Parameters
     ----------
@@ -63,7 +163,7 @@ class OffloadTier:
         float32, float16 or uint16 (bfloat16 bits), like ``KVCache.data``.
     allocator : PageAllocator
     prefixes : OrderedDict[bytes, int]
-        Spilled prefix pages: key -> page, least recently used first.
+        Spilled prefix pages (:class:`TierPages`).
     dropped_on_open : int
         Map entries :meth:`open` dropped because their page failed its CRC.
     """
@@ -74,8 +174,7 @@ class OffloadTier:
         if path is None:
             check_fits_in_memory("a RAM tier (path= puts one in a file)", self.num_pages,
                                  spec.bytes_per_page)
-        self.allocator = PageAllocator(self.num_pages)
-        self.prefixes: OrderedDict[bytes, int] = OrderedDict()
+        super().__init__(self.num_pages)
         self.path = None if path is None else os.fspath(path)
         self.dropped_on_open = 0
         self._mmap: mmap.mmap | None = None
@@ -131,15 +230,15 @@ class OffloadTier:
             raise TierFileError(f"expected a tier file of {spec}, got one of {file_spec}")
         tier = cls.__new__(cls)
         tier.spec, tier.num_pages, tier.path = file_spec, int(num_pages), path
-        tier.prefixes, tier.dropped_on_open, tier._mmap = OrderedDict(), 0, None
+        tier.dropped_on_open, tier._mmap = 0, None
         if (data_offset, map_offset) != (HEADER_BYTES, tier._map_offset()) or size != tier._file_bytes():
             raise TierFileError(f"expected {tier._file_bytes()} bytes for {num_pages} pages of {file_spec}, "
                                 f"got {size}: the file is truncated or damaged")
+        TierPages.__init__(tier, tier.num_pages)  # the sizes are checked
         mapping = tier._map_file(path)
         entries = np.frombuffer(mapping, _MAP_ENTRY, tier.num_pages, tier._map_offset()).copy()
         if zlib.crc32(tier._map_bytes(entries)) != map_crc:
             raise TierFileError(f"expected a page map matching its CRC32, got a corrupted page map in {path}")
-        tier.allocator = PageAllocator(tier.num_pages)
         tier._restore_prefixes(entries)
         return tier
 
@@ -167,58 +266,12 @@ class OffloadTier:
                 pass
             self._mmap = None
 
-    # ------------------------------------------------------------------ spilled prefixes
-    def keep_prefix(self, key: bytes, page: int) -> None:
-        """Record that tier ``page`` holds the prefix page ``key`` (a 16-byte ``prefix.page_key``),
-        most recently used. The caller allocated the page and hands its reference to the tier; a
-        page already kept under ``key`` is released (a key names the same tokens, so the same KV).
-
-        Raises InvalidPageError for a page outside the tier, PageStateError for a free one, and
-        ValueError for a key that is not 16 bytes; the tier is then unchanged.
-        """
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(f"expected a {KEY_BYTES}-byte prefix key (bytes), got {key!r:.80}")
-        if self.allocator.refcount([page])[0] == 0:  # refcount refuses ids outside the tier
-            raise PageStateError(f"expected a tier page the caller allocated, got free page {page}")
-        replaced = self.prefixes.pop(key, None)
-        self.prefixes[key] = int(page)
-        if replaced is not None:
-            self.allocator.decref([replaced])
-
-    def take_prefix(self, key: bytes) -> int:
-        """Forget ``key`` and return its page; the caller now owns the page's reference."""
-        if key not in self.prefixes:
-            raise KeyError(f"expected the key of a spilled prefix page, got {key!r:.80}")
-        return self.prefixes.pop(key)
-
-    def evict_prefixes(self, count: int) -> int:
-        """Free up to ``count`` pages by dropping the least recently used spilled prefixes whose page
-        nothing else holds; returns how many were freed. A prefix whose page a swapped-out sequence
-        shares (:class:`pagekv.TieredKVCache` spills a page set aside at swap-out onto that page)
-        stays: dropping it would free nothing."""
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-            raise ValueError(f"expected count an integer >= 0, got {count!r}")
-        victims = [key for key, alone in zip(self.prefixes, self._alone()) if alone][:count]
-        pages = [self.prefixes.pop(key) for key in victims]
-        if pages:
-            self.allocator.decref(pages)
-        return len(pages)
-
-    def droppable_pages(self) -> int:
-        """Pages :meth:`evict_prefixes` could free: spilled prefixes' pages nothing else holds."""
-        return int(self._alone().sum())
-
     @property
     def page_elements(self) -> int:
         """Elements of one page of one layer's K (or V)."""
         return self.spec.num_kv_heads * self.spec.page_size * self.spec.head_dim
 
     # ------------------------------------------------------------------ helpers
-    def _alone(self):
-        """Per spilled prefix (LRU order), whether its page holds only the prefix's reference."""
-        pages = np.fromiter(self.prefixes.values(), np.int32, len(self.prefixes))
-        return self.allocator.refcount(pages) == 1
-
     def _shape(self):
         return pool_shape(self.spec, self.num_pages)
 

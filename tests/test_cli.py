@@ -210,12 +210,13 @@ def test_a_huge_host_tier_is_no_concern_of_policies_without_it(capsys):
                  "--policies", "paged", "--no-progress"]) == 0
 
 
-def _swap_run(**cost):
+def _swap_run(*, spill=False, **cost):
     from pagekv.models import PRESETS
     from pagekv.trace import synthetic_trace
 
     requests = synthetic_trace(num_requests=200, rate=10.0, seed=0)
-    config = SimConfig(model=PRESETS["llama-3-8b"], memory_bytes=4 * 2**30, cost=CostModel(**cost))
+    config = SimConfig(model=PRESETS["llama-3-8b"], memory_bytes=4 * 2**30, cost=CostModel(**cost),
+                       spill_prefixes=spill)
     return simulate(requests, config, "paged+swap"), simulate(requests, config, "paged+prefix")
 
 
@@ -229,6 +230,17 @@ def test_swap_preemption_moves_pages_both_ways_and_hides_its_swap_ins():
     assert 0 < swap.swap_in_bytes <= swap.swap_out_bytes
     assert swap.swap_in_hidden_fraction >= 0.8        # the issue's target, issued one step ahead
     assert recompute.swap_outs == 0 and recompute.swap_out_bytes == 0
+    assert swap.spilled_bytes == swap.restored_bytes == 0  # spill_prefixes is off by default
+
+
+def test_spilled_prefixes_come_back_from_host_memory_as_hits():
+    """With spill_prefixes the host tier is a second-level prefix cache: the 4 GiB hot cache
+    evicts system prompts and conversation heads that later prompts find in host memory."""
+    spill, recompute = _swap_run(spill=True)
+    assert spill.completed + spill.rejected == 200  # and simulate() found no leaked page in either tier
+    assert 0 < spill.restored_bytes < spill.spilled_bytes
+    assert spill.swap_outs == spill.preemptions > 0  # spilled prefixes make room for swapped pages
+    assert spill.prefix_hit_rate > recompute.prefix_hit_rate + 0.05  # 28% against 20%
 
 
 def test_swap_is_not_chosen_when_recompute_is_cheaper():
@@ -236,8 +248,9 @@ def test_swap_is_not_chosen_when_recompute_is_cheaper():
     assert swap.swap_outs == 0 and swap.preemptions == recompute.preemptions > 0
 
 
+@pytest.mark.parametrize("spill", [False, True])
 @pytest.mark.parametrize("first_output, crossed", [(3, 0), (12, 80)])
-def test_a_swapped_sequence_outlives_everything_else_and_still_finishes(first_output, crossed):
+def test_a_swapped_sequence_outlives_everything_else_and_still_finishes(first_output, crossed, spill):
     # pages of 10 tokens, 3 of them: two 10-token prompts both need a second page at their first
     # decode step, so the newer one is swapped out; it is the last one left when the other ends.
     model = ModelShape("toy", 1, 1, 1, 1.0)
@@ -245,10 +258,13 @@ def test_a_swapped_sequence_outlives_everything_else_and_still_finishes(first_ou
     # A host tier of 8 pages: the default 64 GiB would be 859 million 80-byte pages (an allocator
     # of 7 GB that took 2.5 minutes to set up).
     config = SimConfig(model=model, memory_bytes=3 * 80, swap_memory_bytes=8 * 80, page_size=10,
-                       dtype="float32", max_new_tokens=40, cost=cost)
+                       dtype="float32", max_new_tokens=40, cost=cost, spill_prefixes=spill)
     result = simulate([Request(0.0, 10, first_output, (1,)), Request(0.0, 10, 3, (2,))], config,
                       "paged+swap")
     assert (result.completed, result.swap_outs) == (2, 1)  # and simulate() found no tier page leaked
     # its one page, full, stays in the hot prefix cache: shared again at swap-in, never copied;
     # unless the other sequence grows to 3 pages meanwhile, evicting it: copied out then, and back
     assert result.swap_out_bytes == result.swap_in_bytes == crossed
+    # spilled, that page is kept on the tier page it was copied to (no second copy); what is
+    # spilled is the other sequence's full page, evicted for the swapped one's return
+    assert result.spilled_bytes == (crossed if spill else 0) and result.restored_bytes == 0

@@ -388,6 +388,63 @@ def _with_spilled_prompt(prompt, *, hot_pages=8):
     return t, kv
 
 
+@pytest.mark.parametrize("tail_in_tier_too", [False, True])
+def test_a_prompt_whose_head_is_spilled_and_tail_hot_comes_back_whole(tail_in_tier_too):
+    """The hot cache can hold a chain's later pages after evicting its head (eviction is by
+    release order and page runs, not by chain). A prompt then finds pages 0 and 1 in the tier and
+    page 2 hot (maybe in the tier as well): the first two come back, page 2 is kept, and all
+    three are hits. (The tier used to leave page 2 evictable while it brought the others back, or
+    to bring back page 2 as well, which the manager refused, and the tier pages it had taken out
+    for them were lost.)"""
+    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
+    t, kv = _with_spilled_prompt(prompt)
+    keys = chain_keys(np.array(prompt), 4)[:3]
+    cold = t.tier.prefixes[keys[2]]                     # page 2 alone comes back to the hot cache
+    hot = t.manager.restore_cached([keys[2]])
+    t.cache.data[:, :, hot] = t.tier.data[:, :, [cold]]
+    if not tail_in_tier_too:
+        t.tier.allocator.decref([t.tier.take_prefix(keys[2])])
+    assert t.add_sequence("again", prompt) == 12
+    np.testing.assert_array_equal(kv_of(t, "again")[:, :, :3], kv[:, :, :3])
+    assert t.manager.page_table("again")[2] == hot[0] and t.bytes_restored == 2 * t.cache.spec.bytes_per_page
+    assert [key in t.tier.prefixes for key in keys] == [False, False, tail_in_tier_too]
+    assert t.tier.allocator.num_used == len(t.tier.prefixes)
+    t.check()
+
+
+def test_spill_keeps_what_the_tier_has_room_for_heads_first_and_restores_up_to_a_gap():
+    """A tier with room for one page keeps the evicted prompt's first page (a later prompt needs
+    the head first); with no room it keeps nothing and the eviction goes on. A prompt whose second
+    page is nowhere gets its first back, not its third (no hit can reach it)."""
+    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
+    keys = chain_keys(np.array(prompt), 4)[:3]
+    t = tiered(hot_pages=8, tier_pages=1)
+    m = t.manager
+    m.add_sequence("p", prompt)
+    kv = fill(t, "p", np.random.default_rng(12))
+    m.free("p")
+    m.add_sequence("filler", list(range(300, 332)))     # 8 pages: evicts all three at once
+    assert list(t.tier.prefixes) == [keys[0]] and t.bytes_spilled == t.cache.spec.bytes_per_page
+    m.free("filler")
+    m.clear_prefix_cache()
+    assert t.add_sequence("again", prompt) == 4
+    np.testing.assert_array_equal(kv_of(t, "again")[:, :, :1], kv[:, :, :1])
+    m.add_sequence("x", [50, 51])
+    fill(t, "x", np.random.default_rng(13))
+    t.swap_out(["x"])                                   # the tier's one page: no room left
+    m.free("again")
+    m.add_sequence("filler-2", list(range(400, 432)))   # evicts again's pages: none kept
+    assert not t.tier.prefixes and t.bytes_spilled == t.cache.spec.bytes_per_page
+    t.check()
+
+    t, kv = _with_spilled_prompt(prompt)
+    t.tier.allocator.decref([t.tier.take_prefix(keys[1])])  # a gap: page 1 is nowhere
+    assert t.add_sequence("again", prompt) == 4
+    assert t.bytes_restored == t.cache.spec.bytes_per_page and keys[2] in t.tier.prefixes
+    np.testing.assert_array_equal(kv_of(t, "again")[:, :, :1], kv[:, :, :1])
+    t.check()
+
+
 def test_a_prefix_spilled_again_keeps_one_tier_page():
     """A prefix recomputed in the hot cache while its pages sat in the tier, then evicted again:
     the tier keeps its one copy. (Each such spill used to overwrite the key's entry and leak the
@@ -493,10 +550,18 @@ def test_tier_prefix_calls_refuse_bad_input_and_change_nothing():
     assert tier.evict_prefixes(0) == 0 and state() == before  # nothing asked, nothing freed
     tier.keep_prefix(key, second)  # the same prefix again: the page it named goes back to the tier
     assert tier.prefixes == {key: second} and tier.allocator.is_free([first]).tolist() == [True]
-    tier.allocator.incref([second])  # a swapped-out sequence shares the page: dropping frees nothing
+    tier.allocator.incref([second])  # a swapped-out sequence holds the page the prefix is kept on:
+    tier.keep_prefix(key, tier.take_prefix(key))  # dropping the prefix would free nothing
     assert tier.droppable_pages() == 0 and tier.evict_prefixes(5) == 0 and tier.prefixes == {key: second}
     tier.allocator.decref([second])
     assert tier.droppable_pages() == 1
+    tier.allocator.incref([second, second])  # two swapped-out sequences hold it: kept shared,
+    tier.keep_prefix(key, tier.take_prefix(key))
+    tier.allocator.decref([tier.take_prefix(key)])  # then taken back: no prefix now, and still held
+    other = int(tier.allocator.allocate(1)[0])
+    tier.keep_prefix(bytes(16), other)
+    assert tier.droppable_pages() == 1  # other's page, not second
+    tier.allocator.decref([second, second])
     assert tier.evict_prefixes(5) == 1 and tier.allocator.num_free == 4
     tier.allocator.check()
 
