@@ -46,6 +46,16 @@ def test_simulate_with_attention_and_synthetic_trace(capsys):
     assert "decode kernel (paged, one layer, real pages)" in capsys.readouterr().out
 
 
+def test_simulate_with_spilled_prefixes_reports_them(capsys):
+    """--spill-prefixes: a 1 GiB hot cache evicts the synthetic system prompts, which later
+    requests find in host memory."""
+    assert main(["simulate", "--synthetic", "--num-requests", "40", "--rate", "20", "--memory", "1GiB",
+                 "--policies", "paged+swap", "--spill-prefixes", "--no-progress"]) == 0
+    line = re.search(r"evicted prefix pages copied to host memory: ([0-9.]+) GiB; copied back for "
+                     r"prompts that hit them: ([0-9.]+) GiB", capsys.readouterr().out)
+    assert line and float(line[1]) > float(line[2]) > 0
+
+
 def test_contiguous_policy_matches_a_hand_computation():
     # 8 bytes per token (1 layer, 1 KV head, head_dim 1, float32), pages of 10 tokens; every
     # non-empty step costs exactly 1 simulated second.
