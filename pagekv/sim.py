@@ -193,8 +193,8 @@ class _PagedMemory:
                                 enable_prefix_caching=prefix)
         self.capacity_pages = config.num_pages
         # a swapped sequence's cached full pages stay hot, copied to the tier only if they leave
-        # the hot cache first, and evicted prefix pages are kept in the tier (as TieredKVCache
-        # does); no KV data, so the copies are only counted
+        # the hot cache first, and with spill_prefixes evicted prefix pages are kept in the tier
+        # (as TieredKVCache does); no KV data, so the copies are only counted
         self.set_aside = self.spill = None
         self._counted = (0, 0, 0)
         if self.tier is not None and prefix:
