@@ -26,7 +26,7 @@ NBYTES = PAGES * SPEC.bytes_per_page
 def tiered():
     manager = KVCacheManager(num_pages=2 * PAGES, page_size=SPEC.page_size, max_seqs=4,
                              max_pages_per_seq=PAGES, enable_prefix_caching=False)
-    t = TieredKVCache(manager, KVCache(SPEC, 2 * PAGES), OffloadTier(SPEC, 2 * PAGES), spill_prefixes=False)
+    t = TieredKVCache(manager, KVCache(SPEC, 2 * PAGES), OffloadTier(SPEC, 2 * PAGES), spill_prefixes="none")
     manager.add_sequence("s", list(range(TOKENS)))
     t.cache.data[...] = 1  # touch every page once, so no round pays for first-touch page faults
     t.tier.data[...] = 1

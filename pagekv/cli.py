@@ -16,6 +16,7 @@ import sys
 
 from pagekv.models import MAX_CONTEXT, PRESETS, ModelShape
 from pagekv.sim import POLICIES
+from pagekv.spill import SPILL_POLICIES
 
 __all__ = ["main"]
 
@@ -112,9 +113,10 @@ def build_parser():
                      help="policies to compare (default: all)")
     sim.add_argument("--swap-memory", type=parse_size, default=parse_size("64GiB"),
                      help="paged+swap: host memory for swapped-out pages (default: 64GiB)")
-    sim.add_argument("--spill-prefixes", action="store_true",
-                     help="paged+swap: host memory is also a second-level prefix cache: evicted "
-                     "prefix pages are copied there, and copied back when a prompt hits them")
+    sim.add_argument("--spill-prefixes", choices=list(SPILL_POLICIES), default="reused",
+                     help="paged+swap: host memory is also a second-level prefix cache: which "
+                     "evicted prefix pages are copied there, to be copied back when a prompt hits "
+                     "them: those a prompt hit while hot (default), all, or none")
     sim.add_argument("--attention", action="store_true",
                      help="also run the real decode kernel on one layer of random KV pages "
                      "(every 16th step) and report its time per step and GB/s")

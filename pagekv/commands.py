@@ -101,7 +101,7 @@ def simulate(args, model_of):
                   f"of recomputed ({r.swap_out_bytes / 2**30:.2f} GiB out, {r.swap_in_bytes / 2**30:.2f} "
                   f"GiB in at {config.cost.swap_bandwidth_bytes_s / 1e9:.0f} GB/s); "
                   f"{r.swap_in_hidden_fraction:.0%} of swap-in time hidden behind compute")
-            if config.spill_prefixes:
+            if config.spill_prefixes != "none":
                 print(f"paged+swap: evicted prefix pages copied to host memory: "
                       f"{r.spilled_bytes / 2**30:.2f} GiB; copied back for prompts that hit them: "
                       f"{r.restored_bytes / 2**30:.2f} GiB")

@@ -13,10 +13,10 @@ Four KV-memory policies replay the same trace under the same budget:
   resumes (before new admissions) when its pages fit again, its swap-in issued one step ahead so it
   overlaps that step's compute. As in ``TieredKVCache``, full pages the prefix cache holds do not
   cross at swap-out unless they are evicted before the sequence resumes, and those still cached
-  then (a shared system prompt) are shared again instead of copied back. With
-  ``SimConfig.spill_prefixes`` (``TieredKVCache``'s default, off here: see the README) the host
-  tier is also a second-level prefix cache: pages the hot prefix cache evicts are copied to it,
-  and an admitted prompt's pages found there are copied back instead of recomputed.
+  then (a shared system prompt) are shared again instead of copied back. The host tier is also a
+  second-level prefix cache (``SimConfig.spill_prefixes``, as ``TieredKVCache``'s): pages the hot
+  prefix cache evicts are copied to it (by default only those a prompt hit while hot), and an
+  admitted prompt's pages found there are copied back instead of recomputed.
 
 The loop: requests arrive by timestamp and wait in FCFS order; a request is admitted while its
 prompt's memory can be had; each step prefills up to ``prefill_chunk`` prompt tokens (chunked
@@ -85,7 +85,7 @@ class SimConfig:
     max_new_tokens: int = 2048
     prefill_chunk: int = 8192
     swap_memory_bytes: int = 64 * 2**30   # the host tier of "paged+swap"
-    spill_prefixes: bool = False          # "paged+swap": the host tier keeps evicted prefix pages
+    spill_prefixes: str = "reused"        # "paged+swap": which evicted prefix pages the tier keeps
     cost: CostModel = field(default_factory=CostModel)
 
     @property
@@ -193,17 +193,15 @@ class _PagedMemory:
                                 enable_prefix_caching=prefix)
         self.capacity_pages = config.num_pages
         # a swapped sequence's cached full pages stay hot, copied to the tier only if they leave
-        # the hot cache first, and with spill_prefixes evicted prefix pages are kept in the tier
-        # (as TieredKVCache does); no KV data, so the copies are only counted
+        # the hot cache first, and evicted prefix pages are kept in the tier (as TieredKVCache
+        # does); no KV data, so the copies are only counted
         self.set_aside = self.spill = None
         self._counted = (0, 0, 0)
         if self.tier is not None and prefix:
             self.set_aside = SetAside(self.m, self.tier.allocator, _no_copy)
-            self.m.on_evict = self.m.on_clear = self.set_aside.leave_cache
-            if config.spill_prefixes:
-                self.spill = PrefixSpill(self.m, self.tier, self.set_aside,
-                                         copy_out=_no_copy, copy_in=_no_copy)
-                self.m.on_evict = self.spill.evicted
+            self.spill = PrefixSpill(self.m, self.tier, self.set_aside, copy_out=_no_copy,
+                                     copy_in=_no_copy, policy=config.spill_prefixes)
+            self.m.on_evict, self.m.on_clear = self.spill.evicted, self.spill.cleared
 
     def fits_ever(self, num_tokens):
         pages = -(-(num_tokens + 1) // self.page_size)

@@ -6,6 +6,13 @@ no longer holds but the tier does gets them copied back before the manager looks
 count as hits and are not recomputed. A page set aside at swap-out (:class:`pagekv.setaside.SetAside`)
 is copied to its tier page as it is evicted, and kept there as the spilled prefix too.
 
+Which evicted pages are worth the copy: ``"all"``, or only ``"reused"`` ones, those a prompt hit
+while they were hot (a shared system prompt, an earlier turn of a conversation). Replayed through
+the simulator, copying all cost more than it gave back where prefixes return only after the tier
+has turned over (a slice of Mooncake's conversations: 500 GiB copied, none asked for again), and
+where they do return, the reused pages brought back nearly the same hits for a thirteenth of the
+copies (README, "What `pagekv simulate` shows").
+
 This module keeps the bookkeeping; the caller moves the bytes (``copy_out(hot, cold)``,
 ``copy_in(cold, hot)``), so :class:`pagekv.swap.TieredKVCache` and the simulator's paged+swap
 policy count the same copies.
@@ -15,7 +22,9 @@ import numpy as np
 
 from pagekv.prefix import chain_keys
 
-__all__ = ["PrefixSpill"]
+__all__ = ["PrefixSpill", "SPILL_POLICIES"]
+
+SPILL_POLICIES = ("reused", "all", "none")
 
 
 class PrefixSpill:
@@ -32,6 +41,10 @@ class PrefixSpill:
     copy_out, copy_in : callable
         ``copy_out(hot, cold)`` and ``copy_in(cold, hot)`` with int32 [n] page arrays: copy KV
         from hot pages to tier pages, and back.
+    policy : {"reused", "all", "none"}
+        Which evicted pages the tier keeps: those a prompt hit while hot (seen by :meth:`restore`,
+        which the caller runs before each ``add_sequence``), all of them, or none (a tier reopened
+        from a file may still hold prefixes to bring back).
 
     Attributes
     ----------
@@ -40,12 +53,16 @@ class PrefixSpill:
         copied back on a hit, so far.
     """
 
-    def __init__(self, manager, tier, set_aside, *, copy_out, copy_in) -> None:
+    def __init__(self, manager, tier, set_aside, *, copy_out, copy_in, policy) -> None:
+        if not isinstance(policy, str) or policy not in SPILL_POLICIES:
+            raise ValueError(f"expected a spill policy in {SPILL_POLICIES}, got {policy!r}")
         self.manager = manager
         self.tier = tier
         self.set_aside = set_aside
         self.copy_out = copy_out
         self.copy_in = copy_in
+        self.policy = policy
+        self.reused: set[bytes] = set()  # keys of hot cached pages a prompt hit ("reused")
         self.pages_spilled = self.pages_restored = 0
 
     def evicted(self, keys, pages) -> None:
@@ -53,8 +70,16 @@ class PrefixSpill:
         the hot cache, their KV still in them. Pages set aside are copied to their tier pages and
         kept there (a second reference on the page); the rest are copied to tier pages of their
         own, the oldest spilled pages making room, and what does not fit is dropped. A key the tier
-        holds already (its prefix was recomputed while spilled) is not kept again."""
+        holds already (its prefix was recomputed while spilled) is not kept again. Under the
+        "reused" policy pages no prompt hit are let go, but for pages set aside (their copy is
+        made for the swapped-out sequence anyway); under "none" all are."""
         copied = self.set_aside.leave_cache(keys, pages)
+        if self.policy == "none":
+            return
+        if self.policy == "reused":
+            wanted = [i for i, key in enumerate(keys) if key in self.reused or key in copied]
+            self.reused.difference_update(keys)
+            keys, pages = [keys[i] for i in wanted], np.asarray(pages)[wanted]
         fresh = [i for i, key in enumerate(keys) if key not in self.tier.prefixes]
         for key in [keys[i] for i in fresh if keys[i] in copied]:
             self.tier.allocator.incref([copied[key]])
@@ -71,10 +96,17 @@ class PrefixSpill:
             self.tier.keep_prefix(key, page)
         self.pages_spilled += len(keys)
 
+    def cleared(self, keys, pages) -> None:
+        """The manager's ``on_clear`` hook: pages set aside are copied to their tier pages; the
+        rest are not kept (a clear is a caller's choice to forget them)."""
+        self.set_aside.leave_cache(keys, pages)
+        self.reused.difference_update(keys)
+
     def restore(self, token_ids) -> int:
         """Bring back the spilled pages a prompt would hit next, before ``manager.add_sequence``
         looks it up; only when the manager can take the whole prompt (``manager.can_add``), so a
-        prompt it would refuse changes nothing. Returns the pages brought back.
+        prompt it would refuse changes nothing. Notes the pages the prompt will hit as reused.
+        Returns the pages brought back.
 
         Parameters
         ----------
@@ -82,7 +114,7 @@ class PrefixSpill:
             The prompt.
         """
         manager = self.manager
-        if not self.tier.prefixes or not manager.can_add(token_ids):
+        if not manager.can_add(token_ids) or not (self.tier.prefixes or self.policy == "reused"):
             return 0
         tokens = np.asarray(token_ids)
         # the pages add_sequence can hit: not one holding the last token, which it computes
@@ -91,7 +123,7 @@ class PrefixSpill:
         # The hot cache may hold pages past its first miss (the head of a chain evicted before its
         # tail): those become hits too once the gap comes back, and must not be evicted for it.
         run = []
-        for key in keys[len(hot):]:
+        for key in keys[len(hot):] if self.tier.prefixes else ():
             page = manager.prefix.page_of.get(key)
             if page is not None:
                 hot.append(page)
@@ -99,6 +131,8 @@ class PrefixSpill:
                 run.append(key)
             else:
                 break
+        if self.policy == "reused":
+            self._note_reused(keys[:len(hot) + len(run)])
         if not run:
             return 0
         cold = np.array([self.tier.take_prefix(key) for key in run], np.int32)  # now ours
@@ -108,3 +142,10 @@ class PrefixSpill:
         self.tier.allocator.decref(cold)
         self.pages_restored += len(run)
         return len(run)
+
+    def _note_reused(self, keys) -> None:
+        """Note hot cached pages' ``keys`` as hit. Keys leave the set as their pages are evicted or
+        cleared; those a ``discard`` uncached (no hook) are pruned once they are half of it."""
+        self.reused.update(keys)
+        if len(self.reused) > 2 * len(self.manager.prefix) + 64:
+            self.reused &= self.manager.prefix.page_of.keys()

@@ -16,7 +16,7 @@ A full page the hot prefix cache holds (a shared prompt, or the sequence's own f
 copied at swap-out: it stays in the hot cache, evictable, with a tier page set aside for it, and
 its KV is copied there only if it leaves the cache (evicted or cleared) before the sequence comes
 back; ``prefetch`` shares it again if it has not (:class:`pagekv.setaside.SetAside`). Evicted
-with ``spill_prefixes``, it is kept as a spilled prefix on that same tier page (the prefix and the
+while the tier keeps spilled prefixes, it is kept as one on that same tier page (the prefix and the
 swapped sequence each hold a reference), not copied a second time.
 """
 
@@ -30,7 +30,7 @@ from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import threads as _threads
 from pagekv.manager import KVCacheManager, hashable_id, id_list
 from pagekv.setaside import SetAside
-from pagekv.spill import PrefixSpill
+from pagekv.spill import SPILL_POLICIES, PrefixSpill
 from pagekv.tier import OffloadTier
 
 __all__ = ["TieredKVCache"]
@@ -59,9 +59,11 @@ class TieredKVCache:
         The hot pages.
     tier : OffloadTier
         The slower pages, of the same spec.
-    spill_prefixes : bool
-        Keep prefix pages evicted from the hot prefix cache in the tier; :meth:`add_sequence`
-        brings them back on a later hit. Needs prefix caching on the manager.
+    spill_prefixes : {"reused", "all", "none"}
+        Which prefix pages evicted from the hot prefix cache the tier keeps (:meth:`add_sequence`
+        brings them back on a later hit): those a prompt added through :meth:`add_sequence` hit
+        while they were hot (the default), all, or none. Anything but "none" needs prefix caching
+        on the manager.
 
     Attributes
     ----------
@@ -70,31 +72,32 @@ class TieredKVCache:
     """
 
     def __init__(self, manager: KVCacheManager, cache: KVCache, tier: OffloadTier, *,
-                 spill_prefixes=True) -> None:
+                 spill_prefixes="reused") -> None:
         if cache.spec != tier.spec or cache.spec.page_size != manager.page_size:
             raise ValueError(f"expected one spec for cache, tier and manager pages, got {cache.spec}, "
                              f"{tier.spec} and page_size {manager.page_size}")
         if manager.allocator.num_pages != cache.num_pages:
             raise ValueError(f"expected a manager of {cache.num_pages} pages (the cache's), "
                              f"got {manager.allocator.num_pages}")
-        if spill_prefixes and manager.prefix is None:
-            raise ValueError("expected a manager with prefix caching for spill_prefixes=True")
+        if not isinstance(spill_prefixes, str) or spill_prefixes not in SPILL_POLICIES:
+            raise ValueError(f"expected spill_prefixes in {SPILL_POLICIES}, got {spill_prefixes!r}")
+        if spill_prefixes != "none" and manager.prefix is None:
+            raise ValueError(f"expected a manager with prefix caching for spill_prefixes={spill_prefixes!r}")
         self.manager, self.cache, self.tier = manager, cache, tier
         self._hot = _planes(cache.data)
         self._cold = _planes(tier.data)
         self._swapped: dict = {}    # seq_id -> (DetachedSequence, tier pages int32)
         # hot cached pages swapped-out sequences left in the hot cache, with their tier pages
         self._set_aside = SetAside(manager, tier.allocator, self._to_tier)
-        self.spill_prefixes = bool(spill_prefixes)
+        self.spill_prefixes = spill_prefixes
         self._inflight: dict = {}   # seq_id -> _Prefetch
         self._pages_out = 0  # copied at swap-out (pages set aside count as SetAside's)
         self.bytes_swapped_in = 0
         self._spill: PrefixSpill | None = None
         if manager.prefix is not None:  # a reopened tier file holds prefixes even if none spill
             spill = PrefixSpill(manager, tier, self._set_aside, copy_out=self._to_tier,
-                                copy_in=self._from_tier)
-            manager.on_evict = spill.evicted if spill_prefixes else self._set_aside.leave_cache
-            manager.on_clear = self._set_aside.leave_cache
+                                copy_in=self._from_tier, policy=spill_prefixes)
+            manager.on_evict, manager.on_clear = spill.evicted, spill.cleared
             self._spill = spill
 
     # ------------------------------------------------------------------ swapping

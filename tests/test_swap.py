@@ -20,7 +20,7 @@ from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
 SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
 
 
-def tiered(*, hot_pages=32, tier_pages=32, dtype="float32", path=None, max_seqs=16, spill=True):
+def tiered(*, hot_pages=32, tier_pages=32, dtype="float32", path=None, max_seqs=16, spill="all"):
     spec = KVCacheSpec(dtype=dtype, **SPEC)
     manager = KVCacheManager(num_pages=hot_pages, page_size=spec.page_size, max_seqs=max_seqs,
                              max_pages_per_seq=hot_pages)
@@ -163,7 +163,7 @@ def test_cached_pages_stay_hot_at_swap_out_and_cross_only_if_they_leave_the_cach
     pages set aside for them. Evicted or cleared before the prefetch, they are copied to the tier
     as they go, and come back from it; left alone, the prefetch shares them again."""
     rng = np.random.default_rng(7)
-    t = tiered(hot_pages=6, tier_pages=8, spill=False)
+    t = tiered(hot_pages=6, tier_pages=8, spill="none")
     m = t.manager
     m.add_sequence("a", list(range(9)))                 # 2 full pages + 1 token
     kv = fill(t, "a", rng)
@@ -189,7 +189,7 @@ def test_a_freed_swapped_sequence_gives_back_the_tier_pages_set_aside_for_it():
     """Freed while swapped, a sequence's set-aside tier pages go back to the tier; its full pages
     leaving the hot cache later must not be copied into them (another sequence's KV may be there)."""
     rng = np.random.default_rng(8)
-    t = tiered(hot_pages=8, tier_pages=3, spill=False)
+    t = tiered(hot_pages=8, tier_pages=3, spill="none")
     m = t.manager
     m.add_sequence("a", list(range(9)))
     fill(t, "a", rng)
@@ -274,7 +274,7 @@ def test_check_finds_a_tier_reference_gone_astray():
 
 @pytest.mark.parametrize("damage", ["freed", "not inverse", "not cached"])
 def test_check_finds_pages_set_aside_gone_wrong(damage):
-    t = tiered(hot_pages=6, tier_pages=4, spill=False)
+    t = tiered(hot_pages=6, tier_pages=4, spill="none")
     t.manager.add_sequence("a", list(range(9)))
     fill(t, "a", np.random.default_rng(11))
     t.swap_out(["a"])
@@ -443,6 +443,60 @@ def test_spill_keeps_what_the_tier_has_room_for_heads_first_and_restores_up_to_a
     assert t.bytes_restored == t.cache.spec.bytes_per_page and keys[2] in t.tier.prefixes
     np.testing.assert_array_equal(kv_of(t, "again")[:, :, :1], kv[:, :, :1])
     t.check()
+
+
+def test_spill_reused_keeps_the_evicted_pages_a_prompt_hit():
+    """Under "reused" (the default) only evicted pages a prompt hit while hot are copied to the
+    tier: a prompt asked for twice, not one asked for once; a page set aside at swap-out is kept
+    all the same (its copy is made anyway). A clear forgets the hits on the pages it drops."""
+    rng = np.random.default_rng(14)
+    t = tiered(hot_pages=10, tier_pages=16, spill="reused")
+    m = t.manager
+    prompts = {"twice": list(range(9)), "once": list(range(100, 109)), "aside": list(range(200, 209))}
+    keys = {name: set(chain_keys(np.array(tokens), 4)[:2]) for name, tokens in prompts.items()}
+    t.add_sequence("twice", prompts["twice"])           # 2 full pages + 1 token each
+    kv = fill(t, "twice", rng)
+    assert t.add_sequence("twice-again", prompts["twice"]) == 8  # hit: its pages are reused
+    for name in ("once", "aside"):
+        t.add_sequence(name, prompts[name])
+        fill(t, name, rng)
+    t.swap_out(["aside"])                               # its 2 full pages stay hot, set aside
+    for seq_id in ("twice", "twice-again", "once"):
+        m.free(seq_id)
+    m.add_sequence("filler", list(range(300, 340)))     # 10 pages: evicts every cached page
+    assert set(t.tier.prefixes) == keys["twice"] | keys["aside"]
+    assert t.bytes_spilled == 2 * t.cache.spec.bytes_per_page  # aside's pages were copied already
+    m.free("filler")
+    assert t.add_sequence("back", prompts["twice"]) == 8
+    np.testing.assert_array_equal(kv_of(t, "back")[:, :, :2], kv[:, :, :2])
+    t.check()
+
+    t = tiered(hot_pages=10, tier_pages=16, spill="reused")
+    t.add_sequence("a", prompts["twice"])
+    fill(t, "a", rng)
+    assert t.add_sequence("b", prompts["twice"]) == 8
+    t.manager.free("a")
+    t.manager.free("b")
+    t.manager.clear_prefix_cache()                      # the pages and their hits are forgotten
+    t.add_sequence("c", prompts["twice"])               # cached again, and asked for once since
+    fill(t, "c", rng)
+    t.manager.free("c")
+    t.manager.add_sequence("filler", list(range(300, 340)))
+    assert not t.tier.prefixes and t.bytes_spilled == 0
+    t.check()
+
+
+def test_spill_reused_forgets_hits_on_pages_that_left_the_cache_unseen():
+    """A discard uncaches pages with no hook: their keys leave the reused set once they would
+    be half of it, so it stays the size of the hot cache."""
+    t = tiered(hot_pages=10, tier_pages=16, spill="reused")
+    t.add_sequence("a", list(range(9)))
+    fill(t, "a", np.random.default_rng(15))
+    t.add_sequence("b", list(range(9)))
+    stale = {bytes([i]) * 16 for i in range(200)}      # keys of pages no longer cached
+    t._spill.reused |= stale
+    t.add_sequence("c", list(range(9)))
+    assert t._spill.reused == set(chain_keys(np.arange(9), 4)[:2])
 
 
 def test_a_prefix_spilled_again_keeps_one_tier_page():
@@ -663,8 +717,12 @@ def test_bad_arguments_are_refused_with_what_was_expected(tmp_path):
         TieredKVCache(manager, KVCache(spec, 16), OffloadTier(spec, 4))
     plain = KVCacheManager(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=8,
                            enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="prefix caching"):
+    with pytest.raises(ValueError, match="expected a manager with prefix caching for spill_prefixes='reused'"):
         TieredKVCache(plain, KVCache(spec, 8), OffloadTier(spec, 4))
+    TieredKVCache(plain, KVCache(spec, 8), OffloadTier(spec, 4), spill_prefixes="none")
+    for bad in (True, False, "some", None, ["all"]):
+        with pytest.raises(ValueError, match=r"expected spill_prefixes in \('reused', 'all', 'none'\), got "):
+            TieredKVCache(manager, KVCache(spec, 8), OffloadTier(spec, 4), spill_prefixes=bad)
     with pytest.raises(TierFileError, match="expected a pagekv tier file"):
         (tmp_path / "empty").write_bytes(b"")
         OffloadTier.open(tmp_path / "empty")
@@ -879,13 +937,13 @@ class _TierEngine:
         t.check()
 
 
-@pytest.mark.parametrize("spill", [False, True])
+@pytest.mark.parametrize("spill", ["none", "all", "reused"])
 def test_random_work_on_a_tiered_cache_keeps_every_sequences_kv(spill):
     """Adds on shared prompts, decode steps, forks, rollbacks, swaps both ways (some prefetches
     still running while other work goes on), frees and cache clears on a small hot pool (so the
     prefix cache evicts, and spills): after every action each sequence at rest reads exactly its
     own KV."""
-    rng = np.random.default_rng(40 + spill)
+    rng = np.random.default_rng(40 + ["none", "all", "reused"].index(spill))
     for _ in range(30):
         engine = _TierEngine(rng, spill=spill)
         for _ in range(60):
