@@ -485,6 +485,23 @@ def test_spill_reused_keeps_the_evicted_pages_a_prompt_hit():
     assert not t.tier.prefixes and t.bytes_spilled == 0
     t.check()
 
+    t = tiered(hot_pages=10, tier_pages=16, spill="reused")  # hits count for one stay in the cache
+    t.add_sequence("a", prompts["twice"])
+    fill(t, "a", rng)
+    assert t.add_sequence("b", prompts["twice"]) == 8
+    t.manager.free("a")
+    t.manager.free("b")
+    t.manager.add_sequence("filler", list(range(300, 340)))  # evicted: spilled
+    t.manager.free("filler")
+    assert set(t.tier.prefixes) == keys["twice"]
+    t.tier.evict_prefixes(2)                            # and dropped from the tier
+    assert t.add_sequence("c", prompts["twice"]) == 0   # computed again, asked for once since
+    fill(t, "c", rng)
+    t.manager.free("c")
+    t.manager.add_sequence("filler-2", list(range(400, 440)))
+    assert not t.tier.prefixes
+    t.check()
+
 
 def test_spill_reused_forgets_hits_on_pages_that_left_the_cache_unseen():
     """A discard uncaches pages with no hook: their keys leave the reused set once they would
