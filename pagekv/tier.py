@@ -47,6 +47,13 @@ class TierFileError(PagekvError, ValueError):
     """A tier file that is not one, is truncated, or fails its checksums."""
 
 
+def _count(count) -> int:
+    """``count`` as an int; ValueError unless it is an integer >= 0."""
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise ValueError(f"expected count an integer >= 0, got {count!r}")
+    return int(count)
+
+
 class TierPages:
     """A tier's page bookkeeping, without the KV: its allocator, and the prefix pages spilled from
     the hot prefix cache kept on its pages, under their prefix keys, least recently used first.
@@ -102,8 +109,7 @@ class TierPages:
         nothing else holds; returns how many were freed. A prefix whose page a swapped-out sequence
         shares (a page set aside at swap-out is spilled onto the tier page it was copied to) stays:
         dropping it would free nothing."""
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-            raise ValueError(f"expected count an integer >= 0, got {count!r}")
+        count = _count(count)
         shared = self._still_shared()
         victims = list(islice((key for key, page in self.prefixes.items() if page not in shared), count))
         pages = [self.prefixes.pop(key) for key in victims]
@@ -127,7 +133,12 @@ class TierPages:
         ------
         OutOfPagesError
             Fewer than ``count`` pages even after dropping them; nothing changed.
+        ValueError
+            A ``count`` that is not an integer >= 0.
         """
+        count = _count(count)
+        if count == 0:  # a swap-out whose pages all have tier pages set aside already
+            return np.empty(0, np.int32)
         room = self.room()
         if count > room:
             raise OutOfPagesError(count, room)

@@ -295,6 +295,26 @@ def test_check_finds_pages_set_aside_gone_wrong(damage):
         t.check()
 
 
+def test_a_fork_swapped_out_after_its_source_needs_no_tier_page_of_its_own():
+    """a's two full pages stay hot, set aside; its fork b, swapped out next, finds both set aside
+    already: no tier page to take (taking none used to raise), one more reference on each."""
+    t = tiered(hot_pages=8, tier_pages=8)
+    m = t.manager
+    m.add_sequence("a", list(range(8)))                 # exactly 2 full pages
+    kv = fill(t, "a", np.random.default_rng(16))
+    m.fork("a", "b")
+    t.swap_out(["a"])
+    t.swap_out(["b"])
+    assert t.tier.allocator.num_used == 2 and t.bytes_swapped_out == 0
+    t.check()
+    t.prefetch(["a", "b"])
+    t.wait()
+    np.testing.assert_array_equal(kv_of(t, "a"), kv)
+    np.testing.assert_array_equal(kv_of(t, "b"), kv)
+    assert t.tier.allocator.num_free == 8 and t.bytes_swapped_in == 0
+    t.check()
+
+
 def test_swap_failures_change_nothing():
     t = tiered(hot_pages=12, tier_pages=3)
     m = t.manager
@@ -615,6 +635,10 @@ def test_tier_prefix_calls_refuse_bad_input_and_change_nothing():
         with pytest.raises(ValueError, match="expected count an integer >= 0"):
             tier.evict_prefixes(bad)
         assert state() == before
+        with pytest.raises(ValueError, match="expected count an integer >= 0"):
+            tier.take(bad)
+        assert state() == before
+    assert tier.take(0).tolist() == [] and state() == before
     with pytest.raises(KeyError, match="expected the key of a spilled prefix page"):
         tier.take_prefix(bytes(16))
     assert state() == before
