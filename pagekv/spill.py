@@ -22,9 +22,16 @@ import numpy as np
 
 from pagekv.prefix import chain_keys
 
-__all__ = ["PrefixSpill", "SPILL_POLICIES"]
+__all__ = ["PrefixSpill", "SPILL_POLICIES", "check_spill_policy"]
 
 SPILL_POLICIES = ("reused", "all", "none")
+
+
+def check_spill_policy(policy, name="policy") -> str:
+    """``policy`` if it is one of SPILL_POLICIES; else ValueError naming the argument ``name``."""
+    if not isinstance(policy, str) or policy not in SPILL_POLICIES:
+        raise ValueError(f"expected {name} in {SPILL_POLICIES}, got {policy!r}")
+    return policy
 
 
 class PrefixSpill:
@@ -54,14 +61,12 @@ class PrefixSpill:
     """
 
     def __init__(self, manager, tier, set_aside, *, copy_out, copy_in, policy) -> None:
-        if not isinstance(policy, str) or policy not in SPILL_POLICIES:
-            raise ValueError(f"expected a spill policy in {SPILL_POLICIES}, got {policy!r}")
         self.manager = manager
         self.tier = tier
         self.set_aside = set_aside
         self.copy_out = copy_out
         self.copy_in = copy_in
-        self.policy = policy
+        self.policy = check_spill_policy(policy)
         self.reused: set[bytes] = set()  # keys of hot cached pages a prompt hit ("reused")
         self.pages_spilled = self.pages_restored = 0
 

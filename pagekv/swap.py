@@ -30,7 +30,7 @@ from pagekv.kernels import cache_ops as _cache_ops
 from pagekv.kernels import threads as _threads
 from pagekv.manager import KVCacheManager, hashable_id, id_list
 from pagekv.setaside import SetAside
-from pagekv.spill import SPILL_POLICIES, PrefixSpill
+from pagekv.spill import PrefixSpill, check_spill_policy
 from pagekv.tier import OffloadTier
 
 __all__ = ["TieredKVCache"]
@@ -79,9 +79,7 @@ class TieredKVCache:
         if manager.allocator.num_pages != cache.num_pages:
             raise ValueError(f"expected a manager of {cache.num_pages} pages (the cache's), "
                              f"got {manager.allocator.num_pages}")
-        if not isinstance(spill_prefixes, str) or spill_prefixes not in SPILL_POLICIES:
-            raise ValueError(f"expected spill_prefixes in {SPILL_POLICIES}, got {spill_prefixes!r}")
-        if spill_prefixes != "none" and manager.prefix is None:
+        if check_spill_policy(spill_prefixes, "spill_prefixes") != "none" and manager.prefix is None:
             raise ValueError(f"expected a manager with prefix caching for spill_prefixes={spill_prefixes!r}")
         self.manager, self.cache, self.tier = manager, cache, tier
         self._hot = _planes(cache.data)

@@ -257,6 +257,13 @@ def test_spilled_prefixes_come_back_from_host_memory_as_hits():
     assert reused.output_tokens_per_s > every.output_tokens_per_s
 
 
+def test_a_spill_policy_the_simulator_does_not_know_is_refused():
+    config = SimConfig(model=ModelShape("toy", 1, 1, 1, 1.0), memory_bytes=3 * 80,
+                       swap_memory_bytes=8 * 80, page_size=10, dtype="float32", spill_prefixes=True)
+    with pytest.raises(ValueError, match=r"expected policy in \('reused', 'all', 'none'\), got True"):
+        simulate([Request(0.0, 10, 3, (1,))], config, "paged+swap")
+
+
 def test_swap_is_not_chosen_when_recompute_is_cheaper():
     swap, recompute = _swap_run(swap_bandwidth_bytes_s=1e6)  # a 1 MB/s host link
     assert swap.swap_outs == 0 and swap.preemptions == recompute.preemptions > 0
