@@ -99,14 +99,8 @@ class SetAside:
         in the hot cache (set aside and not shared again, e.g. a page the sequence fills only
         partly) get it first."""
         keys = [self.key_of[page] for page in cold.tolist() if page in self.key_of]
-        if not keys:
-            return
-        page_of = self.manager.prefix.page_of
-        lost = [key for key in keys if key not in page_of]
-        if lost:  # only a discard of tokens whose KV was written takes such a page out
-            raise InvariantError(f"expected the hot prefix cache to hold the pages left there at "
-                                 f"swap-out until copied, got {len(lost)} gone uncopied")
-        self.leave_cache(keys, np.array([page_of[key] for key in keys], np.int32))
+        if keys:
+            self.leave_cache(keys, self._hot_pages(keys))
 
     def let_go(self, cold) -> None:
         """Drop a tier reference on each of ``cold`` (int32); a page set aside that returns to
@@ -128,8 +122,15 @@ class SetAside:
         free = cold[self.tier_allocator.refcount(cold) == 0]
         if len(free):
             raise InvariantError(f"expected tier pages set aside to be held, got free page {free[0]}")
-        page_of = self.manager.prefix.page_of if self.key_of else {}
-        lost = [key for key in self.cold_of if key not in page_of]
+        if self.cold_of:
+            self._hot_pages(list(self.cold_of))
+
+    def _hot_pages(self, keys):
+        """The hot cached pages (int32) of set-aside ``keys``; InvariantError if any is gone (only
+        a discard of tokens whose KV was written takes such a page out, against the contract)."""
+        page_of = self.manager.prefix.page_of
+        lost = [key for key in keys if key not in page_of]
         if lost:
             raise InvariantError(f"expected the hot prefix cache to hold every page set aside, got "
                                  f"{len(lost)} gone uncopied")
+        return np.array([page_of[key] for key in keys], np.int32)
