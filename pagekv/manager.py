@@ -17,7 +17,7 @@ import numpy as np
 
 from pagekv._alloc import PageAllocator
 from pagekv.errors import InvalidPageError, InvariantError, OutOfPagesError, UnknownSequenceError
-from pagekv.prefix import KEY_BYTES, ROOT_KEY, PrefixCache, chain_keys, page_key
+from pagekv.prefix import KEY_BYTES, PrefixCache, chain_keys, check_cache_salt, page_key, salted_root
 from pagekv.tables import csr_from_padded, slots_of_last_tokens
 
 __all__ = ["KVCacheManager", "ManagerStats", "Batch", "DetachedSequence"]
@@ -67,12 +67,14 @@ class DetachedSequence:
     """What :meth:`KVCacheManager.attach` needs to bring a detached sequence back (no pages).
 
     num_tokens : int; token_ids : int32 [num_tokens], its tokens (empty when the manager does not
-    cache prefixes: it keeps no token ids then). They continue its prefix chain, so pages it fills
-    after coming back are cached under the right keys, and it can be truncated anywhere.
+    cache prefixes: it keeps no token ids then); cache_salt : bytes or None, the salt it was added
+    with. They continue its prefix chain, so pages it fills after coming back are cached under the
+    right keys, and it can be truncated anywhere.
     """
 
     num_tokens: int
     token_ids: np.ndarray
+    cache_salt: bytes | None = None
 
 
 class KVCacheManager:
@@ -153,6 +155,7 @@ class KVCacheManager:
         # slots' tokens; truncate resumes the chain at any page).
         self._slot_tokens = np.zeros(num_pages * page_size, np.int32) if enable_prefix_caching else None
         self._page_keys: list[list[bytes]] = [[] for _ in range(max_seqs)]
+        self._salts: list[bytes | None] = [None] * max_seqs  # each row's cache salt
         # Per row, the first page whose prefix-cache entry the row made by handing the page out:
         # the pages before it came written (prefix hits, a fork's source, an attach). discard
         # takes out of the cache only entries the row made.
@@ -190,13 +193,14 @@ class KVCacheManager:
         row = self._row(seq_id)
         return self.block_table[row, :self._num_pages(self.seq_lens[row])].copy()
 
-    def can_add(self, token_ids) -> bool:
-        """Whether ``add_sequence`` of ``token_ids`` would get its pages and a row now."""
-        tokens = _tokens(token_ids)
+    def can_add(self, token_ids, *, cache_salt=None) -> bool:
+        """Whether ``add_sequence`` of ``token_ids`` (under ``cache_salt``) would get its pages and a
+        row now."""
+        tokens, salt = _tokens(token_ids), check_cache_salt(cache_salt)
         pages = self._num_pages(len(tokens))
         if not self._free_rows or pages > self.max_pages_per_seq:
             return False
-        hit = self._hit_pages(self._keys(tokens), len(tokens))
+        hit = self._hit_pages(self._keys(tokens, salt), len(tokens))
         return pages - len(hit) <= self._obtainable(set(hit))
 
     def can_append(self, seq_id, num_tokens=1) -> bool:
@@ -312,8 +316,21 @@ class KVCacheManager:
         return np.array([pending.get(page, page) for page in pages.tolist()], np.int32)
 
     # ------------------------------------------------------------------ actions
-    def add_sequence(self, seq_id, token_ids) -> int:
+    def add_sequence(self, seq_id, token_ids, *, cache_salt=None) -> int:
         """Give a new sequence the pages of its prompt.
+
+        Parameters
+        ----------
+        seq_id : hashable
+            A new id.
+        token_ids : array_like of int, shape (n,), n >= 1
+            The prompt's token ids, in [0, 2**31 - 1].
+        cache_salt : bytes or str, optional
+            What the prompt's KV depends on besides its token ids (a LoRA adapter's name, a hash of
+            a multimodal prompt's images, a tenant that must not share pages with others). With
+            prefix caching, only sequences added under the same salt share cached pages, and the
+            pages this one fills are cached under it (forks and detached records keep it). None:
+            the KV depends on the token ids alone.
 
         Returns
         -------
@@ -331,12 +348,12 @@ class KVCacheManager:
         """
         if _new_id(self._rows, seq_id, "seq_id"):
             raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
-        tokens = _tokens(token_ids)
+        tokens, salt = _tokens(token_ids), check_cache_salt(cache_salt)
         num_pages = self._num_pages(len(tokens))
         self._check_capacity(num_pages, len(tokens))
         if not self._free_rows:
             raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got one more")
-        keys = self._keys(tokens)
+        keys = self._keys(tokens, salt)
         hit = self._hit_pages(keys, len(tokens))
         fresh = self._take_pages(num_pages - len(hit), keep=set(hit), after=hit[-1] if hit else -1)
         if hit:
@@ -352,6 +369,7 @@ class KVCacheManager:
         if self.prefix is not None:  # hit pages get them too: restored pages came without any
             self._slot_tokens[self._slots(row, 0, len(tokens))] = tokens
             self._page_keys[row] = keys
+        self._salts[row] = salt
         self._rows[seq_id] = row
         self._hit_tokens += len(hit) * self.page_size
         self._query_tokens += len(tokens)
@@ -441,6 +459,7 @@ class KVCacheManager:
         self.block_table[row, :len(pages)] = pages
         self.seq_lens[row] = length
         self._page_keys[row] = list(self._page_keys[src])
+        self._salts[row] = self._salts[src]
         self._own_from[row] = length // self.page_size
         self._rows[dst_id] = row
 
@@ -521,7 +540,7 @@ class KVCacheManager:
         length = int(self.seq_lens[row])
         tokens = self._slot_tokens[self._slots(row, 0, length)] if self.prefix is not None \
             else np.empty(0, np.int32)
-        record = DetachedSequence(length, tokens)
+        record = DetachedSequence(length, tokens, self._salts[row])
         self.free(seq_id)
         return record
 
@@ -608,6 +627,7 @@ class KVCacheManager:
                                  f"a manager that caches prefixes), got {len(record.token_ids)}")
             if _new_id(self._rows, seq_id, "seq_id"):
                 raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
+            check_cache_salt(record.cache_salt)
         indices = []
         for record, index in zip(records, page_indices):
             num_pages = self._num_pages(record.num_tokens)
@@ -625,7 +645,7 @@ class KVCacheManager:
         if len(seq_ids) > len(self._free_rows):
             raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got "
                              f"{len(seq_ids) - len(self._free_rows)} more")
-        keys = [self._keys(record.token_ids) for record in records]
+        keys = [self._keys(record.token_ids, record.cache_salt) for record in records]
         hits = {}  # page index -> the cached page holding its KV
         if reuse_cached and self.prefix is not None:
             page_of = self.prefix.page_of
@@ -649,6 +669,7 @@ class KVCacheManager:
             if self.prefix is not None:
                 self._slot_tokens[self._slots(row, 0, record.num_tokens)] = record.token_ids
                 self._page_keys[row] = chain
+            self._salts[row] = record.cache_salt
             self._own_from[row] = record.num_tokens // self.page_size
             self._rows[seq_id] = row
         return (pages, fresh) if reuse_cached else pages
@@ -760,9 +781,10 @@ class KVCacheManager:
             raise ValueError(f"expected at most {self.max_pages_per_seq * self.page_size} tokens "
                              f"(max_pages_per_seq={self.max_pages_per_seq}), got {num_tokens}")
 
-    def _keys(self, tokens):
-        """Prefix keys of the full pages of a new sequence (none without prefix caching)."""
-        return chain_keys(tokens, self.page_size) if self.prefix is not None else []
+    def _keys(self, tokens, salt):
+        """Prefix keys of the full pages of a new sequence under cache salt ``salt`` (bytes or
+        None); none without prefix caching."""
+        return chain_keys(tokens, self.page_size, salted_root(salt)) if self.prefix is not None else []
 
     def _hit_pages(self, keys, num_tokens):
         hit = self.prefix.lookup(keys) if self.prefix is not None else []
@@ -905,7 +927,8 @@ class KVCacheManager:
         keys = []
         for i, row in enumerate(rows.tolist()):
             chain = self._page_keys[row]
-            chain.append(page_key(chain[-1] if chain else ROOT_KEY, pages[4 * ps * i:4 * ps * (i + 1)]))
+            parent = chain[-1] if chain else salted_root(self._salts[row])
+            chain.append(page_key(parent, pages[4 * ps * i:4 * ps * (i + 1)]))
             keys.append(chain[-1])
         self._cache_pages(keys, filled.tolist())
 

@@ -3,7 +3,10 @@
 A full page's key is ``blake2b(parent_key + token_ids_of_the_page)``, so a key names the whole
 prefix up to and including that page, is the same in every process and every Python run (unlike
 ``hash()``, which is salted per process), and a lookup walks keys from the first page until the
-first miss. This module is bookkeeping only: the manager owns the references that the cache holds.
+first miss. A sequence's first page chains from ``ROOT_KEY``, or from :func:`salted_root` of a
+cache salt: what its KV depends on besides its token ids (a LoRA adapter, the images of a
+multimodal prompt, a tenant that must not share pages), so equal token ids under other salts never
+share pages. This module is bookkeeping only: the manager owns the references that the cache holds.
 """
 
 import hashlib
@@ -11,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["ROOT_KEY", "KEY_BYTES", "page_key", "chain_keys", "PrefixCache"]
+__all__ = ["ROOT_KEY", "KEY_BYTES", "page_key", "chain_keys", "salted_root", "check_cache_salt", "PrefixCache"]
 
 ROOT_KEY = b"pagekv-prefix-v1"  # parent of a sequence's first page; versioned in case keys change
 KEY_BYTES = 16  # a page key's length: its blake2b digest size
@@ -20,6 +23,24 @@ KEY_BYTES = 16  # a page key's length: its blake2b digest size
 def page_key(parent, token_bytes):
     """Key of a full page: 16-byte blake2b of its parent's key and its int32 little-endian token ids."""
     return hashlib.blake2b(parent + token_bytes, digest_size=KEY_BYTES).digest()
+
+
+def check_cache_salt(cache_salt):
+    """``cache_salt`` as bytes (a str as its UTF-8), or None; TypeError for anything else."""
+    if cache_salt is None or isinstance(cache_salt, bytes):
+        return cache_salt
+    if isinstance(cache_salt, str):
+        return cache_salt.encode()
+    raise TypeError(f"expected cache_salt None, bytes or str, got {type(cache_salt).__name__} {cache_salt!r:.40}")
+
+
+def salted_root(cache_salt) -> bytes:
+    """The parent key of a sequence's first page: ``ROOT_KEY`` without a salt (None), else a
+    16-byte blake2b of the salt (bytes) personalised apart from page keys, so that no salt's root
+    can equal any page's key."""
+    if cache_salt is None:
+        return ROOT_KEY
+    return hashlib.blake2b(cache_salt, digest_size=KEY_BYTES, person=b"pagekv-salt-v1").digest()
 
 
 def chain_keys(tokens, page_size, parent=ROOT_KEY):
@@ -31,7 +52,8 @@ def chain_keys(tokens, page_size, parent=ROOT_KEY):
         Token ids (the int32 bytes, little-endian, are what is hashed).
     page_size : int
     parent : bytes
-        Key of the page before ``tokens[0]`` (``ROOT_KEY`` at the start of a sequence).
+        Key of the page before ``tokens[0]`` (at the start of a sequence ``ROOT_KEY``, or
+        ``salted_root(cache_salt)``).
 
     Returns
     -------

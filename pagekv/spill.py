@@ -20,7 +20,7 @@ policy count the same copies.
 
 import numpy as np
 
-from pagekv.prefix import chain_keys
+from pagekv.prefix import chain_keys, check_cache_salt, salted_root
 
 __all__ = ["PrefixSpill", "SPILL_POLICIES", "check_spill_policy"]
 
@@ -107,7 +107,7 @@ class PrefixSpill:
         self.set_aside.leave_cache(keys, pages)
         self.reused.difference_update(keys)
 
-    def restore(self, token_ids) -> int:
+    def restore(self, token_ids, *, cache_salt=None) -> int:
         """Bring back the spilled pages a prompt would hit next, before ``manager.add_sequence``
         looks it up; only when the manager can take the whole prompt (``manager.can_add``), so a
         prompt it would refuse changes nothing. Notes the pages the prompt will hit as reused.
@@ -117,13 +117,17 @@ class PrefixSpill:
         ----------
         token_ids : array_like of int, shape (n,)
             The prompt.
+        cache_salt : bytes or str, optional
+            The salt it is added under (``manager.add_sequence``).
         """
         manager = self.manager
-        if not manager.can_add(token_ids) or not (self.tier.prefixes or self.policy == "reused"):
+        if not manager.can_add(token_ids, cache_salt=cache_salt) or \
+                not (self.tier.prefixes or self.policy == "reused"):
             return 0
         tokens = np.asarray(token_ids)
         # the pages add_sequence can hit: not one holding the last token, which it computes
-        keys = chain_keys(tokens, manager.page_size)[:(len(tokens) - 1) // manager.page_size]
+        root = salted_root(check_cache_salt(cache_salt))
+        keys = chain_keys(tokens, manager.page_size, root)[:(len(tokens) - 1) // manager.page_size]
         hot = manager.prefix.lookup(keys)
         # The hot cache may hold pages past its first miss (the head of a chain evicted before its
         # tail): those become hits too once the gap comes back, and must not be evicted for it.

@@ -227,8 +227,9 @@ class TieredKVCache:
                                  "(swapped and prefetching sequences using it + 1 if a spilled prefix)")
 
     # ------------------------------------------------------------------ prefix spill
-    def add_sequence(self, seq_id, token_ids) -> int:
-        """``manager.add_sequence``, after bringing back from the tier the prefix pages it would hit.
+    def add_sequence(self, seq_id, token_ids, *, cache_salt=None) -> int:
+        """``manager.add_sequence``, after bringing back from the tier the prefix pages it would hit
+        (those kept under the same ``cache_salt``: see ``manager.add_sequence``).
 
         Returns the prompt's cached tokens, as ``add_sequence`` does. Pages come back from the tier
         only for a call that will succeed (a new id, tokens the manager takes, room for the whole
@@ -242,8 +243,8 @@ class TieredKVCache:
         if hashable_id(seq_id) in self._swapped:
             raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is swapped out")
         if self._spill is not None and seq_id not in self.manager:
-            self._spill.restore(token_ids)
-        return self.manager.add_sequence(seq_id, token_ids)
+            self._spill.restore(token_ids, cache_salt=cache_salt)
+        return self.manager.add_sequence(seq_id, token_ids, cache_salt=cache_salt)
 
     # ------------------------------------------------------------------ traffic
     @property

@@ -12,7 +12,7 @@ from pagekv import (InvalidPageError, KVCache, KVCacheManager, KVCacheSpec, OutO
 from pagekv import _arrays
 from pagekv.errors import InvariantError
 from pagekv.manager import DetachedSequence
-from pagekv.prefix import PrefixCache, chain_keys
+from pagekv.prefix import ROOT_KEY, PrefixCache, chain_keys, salted_root
 from pagekv.tables import csr_from_padded
 from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
 
@@ -315,6 +315,9 @@ def busy():
     (lambda m: m.add_sequence(["c"], [1]), TypeError, r"expected a hashable seq_id, got list \['c'\]"),
     (lambda m: m.fork("a", {"c": 1}), TypeError, "expected a hashable dst_id, got dict"),
     (lambda m: m.pages_obtainable(keep=3), TypeError, "expected keep an iterable of page ids, got 3"),
+    (lambda m: m.add_sequence("c", [1], cache_salt=7), TypeError, "expected cache_salt None, bytes or str, got int 7"),
+    (lambda m: m.can_add([1], cache_salt=bytearray(b"a")), TypeError, "got bytearray"),
+    (lambda m: m.attach("c", DetachedSequence(1, np.array([1], np.int32), 5)), TypeError, "got int 5"),
     (lambda m: m.restore_cached([b"k" * 16], keep=None), TypeError, "expected keep an iterable of page ids"),
     (lambda m: m.restore_cached([b"k" * 16, 7]), TypeError, "expected keys a list of bytes prefix keys"),
     (lambda m: m.restore_cached(None), TypeError, "expected keys a list of bytes prefix keys, got None"),
@@ -331,10 +334,10 @@ def _manager_calls():
     "a" and its fork "b" of 6 tokens, page 4, 16 pages, 3 rows)."""
     tokens = np.array([1, 2, 3], np.int32)
     return {
-        "seq_len": dict(seq_id="a"), "page_table": dict(seq_id="a"), "can_add": dict(token_ids=tokens),
+        "seq_len": dict(seq_id="a"), "page_table": dict(seq_id="a"), "can_add": dict(token_ids=tokens, cache_salt=b"s"),
         "can_append": dict(seq_id="a", num_tokens=1), "pages_obtainable": dict(keep=[0]),
         "batch": dict(seq_ids=["a", "b"], csr=True, num_new_tokens=np.array([1, 2])),
-        "add_sequence": dict(seq_id="c", token_ids=tokens), "append": dict(seq_id="a", token_ids=tokens),
+        "add_sequence": dict(seq_id="c", token_ids=tokens, cache_salt="s"), "append": dict(seq_id="a", token_ids=tokens),
         "append_tokens": dict(seq_ids=["a", "b"], token_ids=np.array([7, 8], np.int32)),
         "fork": dict(src_id="a", dst_id="c"), "free": dict(seq_id="a"), "detach": dict(seq_id="a"),
         "truncate": dict(seq_id="a", num_tokens=5), "discard": dict(seq_id="a", num_written=3),
@@ -850,6 +853,35 @@ def test_attach_leaves_alone_a_cached_page_whose_kv_the_coming_forward_writes():
     record = e.m.detach("a")
     pages, fresh = e.m.attach("a", record, reuse_cached=True)
     assert fresh.tolist() == [False, True] and pages[0] == e.m.page_table("b")[0]
+
+
+def test_a_cache_salt_shares_pages_only_within_its_salt():
+    """Equal token ids under other salts (other KV: an adapter, images) never share a page; the
+    salt follows a sequence into its forks, its detached record and the pages it fills later."""
+    m = KVCacheManager(num_pages=32, page_size=4, max_seqs=8, max_pages_per_seq=8)
+    prompt = list(range(9))                                          # 2 full pages + 1 token
+    assert m.add_sequence("plain", prompt) == 0
+    assert m.add_sequence("a", prompt, cache_salt=b"lora-a") == 0   # no page of plain's
+    assert m.add_sequence("a2", prompt, cache_salt="lora-a") == 8   # a str: its UTF-8 bytes
+    assert m.add_sequence("plain2", prompt) == 8
+    assert m.add_sequence("empty", prompt, cache_salt=b"") == 0     # b"" is a salt too
+    plain, salted = set(m.page_table("plain")[:2]), set(m.page_table("a")[:2])
+    assert set(m.page_table("a2")[:2]) == salted and not plain & salted
+    m.fork("a", "fork")
+    m.append("fork", [20, 21, 22])                                   # fills page 2 under lora-a
+    grown = prompt + [20, 21, 22, 5]
+    assert m.add_sequence("grown-a", grown, cache_salt=b"lora-a") == 12
+    assert m.add_sequence("grown-plain", grown) == 8
+    m.take_pending_copies()                                          # a forward wrote their KV
+    record = m.detach("a2")
+    assert record.cache_salt == b"lora-a"
+    pages, fresh = m.attach("a2", record, reuse_cached=True)
+    assert fresh.tolist() == [False, False, True] and set(pages[:2]) == salted
+    assert salted_root(None) == ROOT_KEY and len({salted_root(s) for s in (None, b"", b"a", b"b")}) == 4
+    # no salt's root is a page's key: the salt that spells ROOT_KEY + a page of tokens is not it
+    page = np.array([1, 2, 3, 4], "<i4")
+    assert salted_root(ROOT_KEY + page.tobytes()) != chain_keys(page, 4)[0]
+    m.check()
 
 
 def test_attach_reuses_a_restored_page_in_the_step_it_came_back():

@@ -10,6 +10,8 @@ token of every slot handed out since, and a sequence is forked, truncated, freed
 once its slots are written; a detach reads a page that waits for its copy from the copy's source,
 and an attach writes its KV into its fresh pages at once, as a second tier does. Copies may stay
 queued across many calls meanwhile. After each forward every sequence must read back its own tokens.
+Prompts come under a few cache salts, and a token's KV is tagged with its sequence's salt: a page
+shared across salts would read back another salt's KV.
 """
 
 from functools import partial
@@ -23,9 +25,12 @@ from hypothesis.stateful import (
 
 from pagekv import KVCacheManager
 from pagekv.errors import PagekvError
-from pagekv.reference.manager import ReferenceKVCacheManager
+from pagekv.reference.manager import ReferenceKVCacheManager, root_key
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=14)
+SALTS = [None, b"adapter-a", "tenant-b"]
+SALT_TAG = {root_key(salt): 1000 * tag for tag, salt in enumerate(SALTS)}  # KV = token + tag
+SALT_OF = {root_key(salt): salt for salt in SALTS}
 
 
 def shared_layout(tables):
@@ -75,7 +80,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.kv[slot] = token
         self.unwritten, self.added = {}, set()
         for seq_id, tokens in self.twin.tokens.items():
-            assert self.kv[self.slots(seq_id)].tolist() == tokens, f"sequence {seq_id} reads other KV"
+            tag = SALT_TAG[self.twin.roots[seq_id]]
+            assert self.kv[self.slots(seq_id)].tolist() == [t + tag for t in tokens], \
+                f"sequence {seq_id} reads other KV"
 
     def run_copies(self):
         """Take the queued copies (the same in fast and twin, up to the renaming) and run them as
@@ -105,7 +112,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def handed_out(self, seq_id, slots, tokens):
         """Slots to write at the next forward; until then they hold no token (-9: whatever a
         fresh page holds), so reading one before its write shows."""
-        self.unwritten.setdefault(seq_id, []).extend(zip(slots, tokens))
+        tag = SALT_TAG[self.twin.roots[seq_id]]
+        self.unwritten.setdefault(seq_id, []).extend((slot, token + tag) for slot, token in zip(slots, tokens))
         self.kv[slots] = -9
 
     def kv_now(self, seq_id):
@@ -130,9 +138,9 @@ class ManagerMachine(RuleBasedStateMachine):
             mine = np.isin(slots // self.fast.page_size, list(written))
             self.kv[slots[mine]] = kv[mine]
 
-    def both(self, name, *args):
-        got = outcome(getattr(self.fast, name), *args)
-        expected = outcome(getattr(self.twin, name), *args)
+    def both(self, name, *args, **options):
+        got = outcome(partial(getattr(self.fast, name), **options), *args)
+        expected = outcome(partial(getattr(self.twin, name), **options), *args)
         assert got[0] == expected[0], f"{name}{args}: fast {got} != twin {expected}"
         if got[0] == "error" or got[1] is None or isinstance(got[1], int):
             assert got == expected, f"{name}{args}: fast {got} != twin {expected}"
@@ -145,12 +153,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def add(self, data):
         base = data.draw(st.sampled_from(self.prompts))
         prompt = base[:data.draw(st.integers(0, len(base)))] + data.draw(TOKENS)
-        return self.add_prompt(prompt)
+        return self.add_prompt(prompt, data.draw(st.sampled_from(SALTS)))
 
-    def add_prompt(self, prompt):
+    def add_prompt(self, prompt, salt):
         seq_id = self.next_id
         self.next_id += 1
-        if self.both("add_sequence", seq_id, prompt):
+        if self.both("add_sequence", seq_id, prompt, cache_salt=salt):
             self.prompts.append(prompt)
             cached = self.value
             self.handed_out(seq_id, self.slots(seq_id, cached).tolist(), prompt[cached:])
@@ -265,7 +273,7 @@ class ManagerMachine(RuleBasedStateMachine):
         _, _, twin_record, _ = self.detached[data.draw(st.integers(0, len(self.detached) - 1))]
         if data.draw(st.booleans()):
             self.clear()
-        self.add_prompt(list(twin_record[0]))
+        self.add_prompt(list(twin_record[0]), SALT_OF[twin_record[2]])
         self.attach(data, True)
         if data.draw(st.booleans()):
             self.failed_forward()

@@ -12,7 +12,7 @@ import pytest
 from pagekv import (
     InvalidPageError, InvariantError, KVCache, KVCacheManager, KVCacheSpec, OutOfPagesError, PageStateError,
     UnknownSequenceError)
-from pagekv.prefix import chain_keys
+from pagekv.prefix import chain_keys, salted_root
 from pagekv.swap import TieredKVCache
 from pagekv.tier import OffloadTier, TierFileError
 from wrong_values import MUTATIONS, SEQ_ID_LISTS, refusal_problem
@@ -395,17 +395,36 @@ def test_evicted_prefix_pages_spill_to_the_tier_and_come_back():
     m.check()
 
 
-def _with_spilled_prompt(prompt, *, hot_pages=8):
+def _with_spilled_prompt(prompt, *, hot_pages=8, cache_salt=None):
     """A tiered cache whose tier holds ``prompt``'s full pages (spilled), and one live sequence."""
     t = tiered(hot_pages=hot_pages, tier_pages=32)
     m = t.manager
-    m.add_sequence("p", prompt)
+    m.add_sequence("p", prompt, cache_salt=cache_salt)
     kv = fill(t, "p", np.random.default_rng(4))
     m.free("p")
     m.add_sequence("filler", list(range(300, 300 + 4 * hot_pages)))  # evicts (spills) them all
     m.free("filler")
     m.add_sequence("live", [1, 2, 3])
     return t, kv
+
+
+def test_spilled_pages_come_back_only_under_their_cache_salt():
+    prompt = list(range(12)) + [7]                      # 3 full pages + 1 token
+    t, kv = _with_spilled_prompt(prompt, cache_salt=b"lora-a")
+    keys = chain_keys(np.array(prompt), 4, salted_root(b"lora-a"))[:3]
+    assert all(key in t.tier.prefixes for key in keys)
+    assert t.add_sequence("plain", prompt) == 0         # other KV: nothing comes back
+    t.manager.free("plain")
+    assert t.add_sequence("other", prompt, cache_salt="lora-b") == 0
+    t.manager.free("other")
+    assert all(key in t.tier.prefixes for key in keys) and t.bytes_restored == 0
+    with pytest.raises(TypeError, match="expected cache_salt None, bytes or str, got float 1.5"):
+        t.add_sequence("bad", prompt, cache_salt=1.5)
+    assert all(key in t.tier.prefixes for key in keys) and "bad" not in t.manager
+    assert t.add_sequence("again", prompt, cache_salt="lora-a") == 12
+    np.testing.assert_array_equal(kv_of(t, "again")[:, :, :3], kv[:, :, :3])
+    assert t.bytes_restored == 3 * t.cache.spec.bytes_per_page
+    t.check()
 
 
 @pytest.mark.parametrize("tail_in_tier_too", [False, True])

@@ -113,6 +113,34 @@ def test_second_call_with_the_same_system_prompt_reuses_its_pages(llama):
     assert after.prefix_hit_tokens - before.prefix_hit_tokens == 3 * 48  # every row hit 3 pages
 
 
+def test_a_cache_salt_keeps_the_pages_of_other_weights_apart(llama):
+    """Switching adapters changes the KV of the same tokens: each adapter's generations under its
+    own salt share no page with the other's and match transformers; under the same salt they hit."""
+    system = list(range(100, 148))  # 3 full pages of 16
+    ids, mask = left_padded([60, 75], seed=3, prefix=system)
+    k_proj = llama.model.layers[0].self_attn.k_proj.weight
+    original = k_proj.detach().clone()
+    with torch.no_grad():
+        k_proj.mul_(1.5)                                  # "adapter b"
+    ref_b = reference(llama, ids, mask, max_new_tokens=8)
+    with torch.no_grad():
+        k_proj.copy_(original)                            # "adapter a"
+    pool = PagedKVPool(llama, num_pages=128, page_size=16)
+    pool.generate(ids, attention_mask=mask, max_new_tokens=8, cache_salt="adapter-a", **GREEDY)
+    with torch.no_grad():
+        k_proj.mul_(1.5)
+    hits = pool.stats().prefix_hit_tokens
+    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=8, cache_salt=b"adapter-b", **GREEDY)
+    assert pool.stats().prefix_hit_tokens - hits == 48   # row 2 on row 1's system prompt; no page of a's
+    assert_same_generation(ours, ref_b, logits_atol=1e-4)
+    hits = pool.stats().prefix_hit_tokens
+    ours = pool.generate(ids, attention_mask=mask, max_new_tokens=8, cache_salt=b"adapter-b", **GREEDY)
+    assert pool.stats().prefix_hit_tokens - hits == 48 + 64  # every full page of both prompts
+    assert_same_generation(ours, ref_b, logits_atol=1e-4)
+    with pytest.raises(TypeError, match="expected cache_salt None, bytes or str, got int 7"):
+        pool.new_cache(cache_salt=7)
+
+
 @pytest.mark.parametrize("lengths", [[5, 33, 20], [33, 5]])  # padding before and after a full row
 def test_pages_hold_the_keys_and_values_transformers_computes(llama, lengths):
     ids, mask = left_padded(lengths, seed=5)

@@ -42,6 +42,7 @@ from pagekv.attention import (
 from pagekv.cache import KVCache, check_fits_in_memory
 from pagekv.errors import PagekvError
 from pagekv.manager import KVCacheManager, ManagerStats
+from pagekv.prefix import check_cache_salt
 from pagekv.spec import KVCacheSpec, pool_shape
 
 __all__ = ["ATTENTION", "PagedKVPool", "PagedCache", "paged_attention", "register"]
@@ -229,11 +230,12 @@ class PagedKVPool:
         self._hooks = [base.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        base.register_forward_hook(self._after_forward, always_call=True)]
 
-    def new_cache(self) -> "PagedCache":
-        """An empty cache for one batch of prompts; pass it to ``generate`` under ``cache_keyword``."""
-        return PagedCache(self)
+    def new_cache(self, *, cache_salt=None) -> "PagedCache":
+        """An empty cache for one batch of prompts; pass it to ``generate`` under ``cache_keyword``.
+        ``cache_salt``: see :class:`PagedCache`."""
+        return PagedCache(self, cache_salt=cache_salt)
 
-    def generate(self, input_ids, *, attention_mask=None, **kwargs):
+    def generate(self, input_ids, *, attention_mask=None, cache_salt=None, **kwargs):
         """``model.generate`` with a fresh :class:`PagedCache`, released when it returns.
 
         Parameters
@@ -241,10 +243,12 @@ class PagedKVPool:
         input_ids : int64 [batch, prompt_len]
             Left-padded prompts (padding is where ``attention_mask`` is 0).
         attention_mask : int [batch, prompt_len], optional
+        cache_salt : bytes or str, optional
+            What the KV depends on besides the token ids (see :class:`PagedCache`).
         **kwargs
             Passed to ``generate`` (``max_new_tokens``, ``do_sample``, ...).
         """
-        with self.new_cache() as cache:
+        with self.new_cache(cache_salt=cache_salt) as cache:
             return self._model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                         **{self.cache_keyword: cache}, **kwargs)
 
@@ -300,11 +304,16 @@ class PagedCache(Cache):
     ``batch_repeat_interleave``: parallel samples of one prefilled prompt) fork rows (shared pages,
     copy-on-write); cropping (assisted decoding's rollback of rejected drafts) truncates each row's
     sequence.
+
+    ``cache_salt`` (bytes or str) names what the KV depends on besides the token ids: the active
+    LoRA adapter when the model switches adapters, the images of a multimodal prompt. Rows share
+    prefix-cache pages only with sequences added under the same salt (``KVCacheManager.add_sequence``).
     """
 
-    def __init__(self, pool: PagedKVPool):
+    def __init__(self, pool: PagedKVPool, *, cache_salt=None):
         super().__init__(layers=[])
         self.pool = pool
+        self.cache_salt = check_cache_salt(cache_salt)
         self._seq_ids: list = []  # per batch row: its pagekv sequence, None until its first real token
         self._columns = 0
         self._real: list = []  # per finished forward, bool [batch, q_len]: which columns are tokens
@@ -531,7 +540,7 @@ class PagedCache(Cache):
                 tokens = ids[i][real[i]]
                 if self._seq_ids[i] is None:
                     seq_id = next(self.pool._ids)
-                    hit = manager.add_sequence(seq_id, tokens)
+                    hit = manager.add_sequence(seq_id, tokens, cache_salt=self.cache_salt)
                     self._seq_ids[i] = seq_id
                     self._undo.append((i, 0))
                     row_slots = manager.batch([seq_id], num_new_tokens=len(tokens)).slot_mapping

@@ -16,9 +16,22 @@ __all__ = ["ReferenceKVCacheManager"]
 ROOT_KEY = b"pagekv-prefix-v1"
 
 
-def prefix_keys(tokens, page_size):
-    """Key of every full page: blake2b-128 of (previous key + the page's int32 little-endian ids)."""
-    keys, key = [], ROOT_KEY
+def root_key(cache_salt):
+    """The key before a sequence's first page: ROOT_KEY, or a blake2b-128 of the salt (bytes, or a
+    str as UTF-8) personalised as b"pagekv-salt-v1"."""
+    if cache_salt is None:
+        return ROOT_KEY
+    if isinstance(cache_salt, str):
+        cache_salt = cache_salt.encode()
+    if not isinstance(cache_salt, bytes):
+        raise TypeError("expected cache_salt None, bytes or str")
+    return hashlib.blake2b(cache_salt, digest_size=16, person=b"pagekv-salt-v1").digest()
+
+
+def prefix_keys(tokens, page_size, root=ROOT_KEY):
+    """Key of every full page: blake2b-128 of (previous key + the page's int32 little-endian ids),
+    the first page's previous key ``root``."""
+    keys, key = [], root
     for start in range(0, len(tokens) - page_size + 1, page_size):
         page = b"".join(int(t).to_bytes(4, "little") for t in tokens[start:start + page_size])
         key = hashlib.blake2b(key + page, digest_size=16).digest()
@@ -36,6 +49,7 @@ class ReferenceKVCacheManager:
         self.caching = enable_prefix_caching
         self.tables: dict = {}       # seq_id -> [page, ...]
         self.tokens: dict = {}       # seq_id -> [token, ...]
+        self.roots: dict = {}        # seq_id -> the key before its first page (its cache salt's)
         self.offered: dict = {}      # seq_id -> full pages already offered to the cache
         self.own_from: dict = {}     # seq_id -> first page it handed out itself (not come written)
         self.page_of: dict = {}      # key -> page
@@ -110,7 +124,7 @@ class ReferenceKVCacheManager:
         """Offer each newly full page to the cache, in order; the cache keeps a reference."""
         if not self.caching:
             return
-        keys = prefix_keys(self.tokens[seq_id], self.page_size)
+        keys = prefix_keys(self.tokens[seq_id], self.page_size, self.roots[seq_id])
         for index in range(self.offered[seq_id], len(keys)):
             page = self.tables[seq_id][index]
             if keys[index] not in self.page_of and page not in self.key_of:
@@ -150,10 +164,11 @@ class ReferenceKVCacheManager:
         self._let_go([self.pending.pop(page) for page in moot])
 
     # ------------------------------------------------------------------ the contract
-    def add_sequence(self, seq_id, token_ids):
+    def add_sequence(self, seq_id, token_ids, cache_salt=None):
         if seq_id in self.tables:
             raise ValueError(f"expected a new seq_id, got {seq_id!r}")
         tokens = self._tokens(token_ids)
+        root = root_key(cache_salt)
         num_pages = self._pages(len(tokens))
         if num_pages > self.max_pages_per_seq:
             raise ValueError("expected a prompt within max_pages_per_seq")
@@ -161,7 +176,7 @@ class ReferenceKVCacheManager:
             raise ValueError("expected at most max_seqs sequences")
         hit = []
         if self.caching:
-            for key in prefix_keys(tokens, self.page_size):
+            for key in prefix_keys(tokens, self.page_size, root):
                 if key not in self.page_of:
                     break
                 hit.append(self.page_of[key])
@@ -173,6 +188,7 @@ class ReferenceKVCacheManager:
             self.lru = [p for p in self.lru if p not in hit]
         self.tables[seq_id] = hit + fresh
         self.tokens[seq_id] = tokens
+        self.roots[seq_id] = root
         self.offered[seq_id] = self.own_from[seq_id] = len(hit)
         self._offer_full_pages(seq_id)
         self.hit_tokens += len(hit) * self.page_size
@@ -244,6 +260,7 @@ class ReferenceKVCacheManager:
         self.allocator.incref(table)
         self.tables[dst_id] = list(table)
         self.tokens[dst_id] = list(self.tokens[src_id])
+        self.roots[dst_id] = self.roots[src_id]
         self.offered[dst_id] = self.offered[src_id]
         self.own_from[dst_id] = len(self.tokens[src_id]) // self.page_size
 
@@ -252,7 +269,8 @@ class ReferenceKVCacheManager:
 
     def free(self, seq_id):
         self._release(self._seq(seq_id)[::-1])
-        del self.tables[seq_id], self.tokens[seq_id], self.offered[seq_id], self.own_from[seq_id]
+        del self.tables[seq_id], self.tokens[seq_id], self.offered[seq_id], self.own_from[seq_id], \
+            self.roots[seq_id]
 
     def truncate(self, seq_id, num_tokens):
         table = self._seq(seq_id)
@@ -270,7 +288,7 @@ class ReferenceKVCacheManager:
         tokens = self.tokens[seq_id]
         if isinstance(num_written, bool) or not isinstance(num_written, int) or not 0 <= num_written <= len(tokens):
             raise ValueError(f"expected num_written in [0, {len(tokens)}]")
-        keys = prefix_keys(tokens, self.page_size) if self.caching else []
+        keys = prefix_keys(tokens, self.page_size, self.roots[seq_id]) if self.caching else []
         for index in range(max(num_written // self.page_size, self.own_from[seq_id]), len(keys)):
             page = table[index]
             if self.page_of.get(keys[index]) == page:  # cached from this sequence's unwritten tokens
@@ -283,19 +301,19 @@ class ReferenceKVCacheManager:
 
     def detach(self, seq_id):
         self._seq(seq_id)
-        record = (list(self.tokens[seq_id]), self.offered[seq_id])
+        record = (list(self.tokens[seq_id]), self.offered[seq_id], self.roots[seq_id])
         self.free(seq_id)
         return record
 
     def attach(self, seq_id, record, reuse_cached=False):
-        tokens, _ = record
+        tokens = record[0]
         return self.attach_shared([seq_id], [record], [list(range(self._pages(len(tokens))))], reuse_cached)
 
     def attach_shared(self, seq_ids, records, page_indices, reuse_cached=False):
         if len(set(seq_ids)) != len(seq_ids) or any(seq_id in self.tables for seq_id in seq_ids):
             raise ValueError(f"expected new, distinct seq_ids, got {seq_ids!r}")
         named = []
-        for (tokens, _), index in zip(records, page_indices):
+        for (tokens, _, _), index in zip(records, page_indices):
             num_pages = self._pages(len(tokens))
             if num_pages > self.max_pages_per_seq:
                 raise ValueError("expected a sequence within max_pages_per_seq")
@@ -308,8 +326,8 @@ class ReferenceKVCacheManager:
             raise ValueError("expected at most max_seqs sequences")
         hits = {}  # page index -> cached page with the same prefix key (the first sequence naming it)
         if reuse_cached and self.caching:
-            for (tokens, _), index in zip(records, page_indices):
-                for i, key in zip(index, prefix_keys(tokens, self.page_size)):
+            for (tokens, _, root), index in zip(records, page_indices):
+                for i, key in zip(index, prefix_keys(tokens, self.page_size, root)):
                     if key in self.page_of and i not in hits \
                             and self.cached_in_step[self.page_of[key]] != self.steps:
                         hits[i] = self.page_of[key]  # not one whose KV the coming forward writes
@@ -320,9 +338,10 @@ class ReferenceKVCacheManager:
         extra = [pages[i] for i in range(count) for _ in range(named.count(i) - (i not in hits))]
         if extra:  # a page named by k sequences holds k references
             self.allocator.incref(extra)
-        for seq_id, (tokens, _), index in zip(seq_ids, records, page_indices):
+        for seq_id, (tokens, _, root), index in zip(seq_ids, records, page_indices):
             self.tables[seq_id] = [pages[i] for i in index]
             self.tokens[seq_id] = list(tokens)
+            self.roots[seq_id] = root
             self.offered[seq_id] = len(tokens) // self.page_size  # its full pages are not offered again
             self.own_from[seq_id] = len(tokens) // self.page_size
         if reuse_cached:
