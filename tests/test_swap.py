@@ -880,20 +880,22 @@ def test_freeing_a_sequence_being_prefetched_waits_for_it_and_leaves_nothing_beh
 
 class _TierEngine:
     """An engine over a TieredKVCache whose KV is checkable: every token's K and V hold a value
-    made from the tokens up to it (its prefix), so shared, cached, copied, spilled and swapped
-    pages must all hold exactly what a sequence's own prefix gives."""
+    made from the tokens up to it (its prefix) and its sequence's cache salt (two salts: as with
+    two LoRA adapters), so shared, cached, copied, spilled and swapped pages must all hold exactly
+    what a sequence's own prefix gives."""
 
     def __init__(self, rng, *, spill):
         self.rng = rng
         self.t = tiered(hot_pages=14, tier_pages=40, max_seqs=8, spill=spill)
         self.m = self.t.manager
         self.tokens = {}   # seq_id -> its tokens (hot or swapped)
+        self.salts = {}    # seq_id -> its cache salt
         self.next_id = 0
         self.prompts = [[int(x) for x in rng.integers(0, 5, 9)] for _ in range(2)]  # shared heads
 
     @staticmethod
-    def value(prefix):
-        h = 0
+    def value(prefix, salt):
+        h = 0 if salt is None else 7
         for token in prefix:
             h = (h * 31 + token + 1) % 1_000_003
         return float(h)
@@ -907,7 +909,7 @@ class _TierEngine:
         table = self.m.page_table(seq_id)
         ps = self.m.page_size
         for p in range(start, len(tokens)):
-            value = self.value(tokens[:p + 1])
+            value = self.value(tokens[:p + 1], self.salts[seq_id])
             data[:, 0, table[p // ps], :, p % ps] = value
             data[:, 1, table[p // ps], :, p % ps] = -value
 
@@ -922,7 +924,7 @@ class _TierEngine:
         ps = self.m.page_size
         positions = np.arange(len(tokens))
         got = self.t.cache.data[:, 0, table[positions // ps], 0, positions % ps, 0]  # [layers, tokens]
-        want = [self.value(tokens[:p + 1]) for p in positions]
+        want = [self.value(tokens[:p + 1], self.salts[seq_id]) for p in positions]
         np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape), err_msg=str(seq_id))
         got_v = self.t.cache.data[:, 1, table[positions // ps], -1, positions % ps, -1]
         np.testing.assert_array_equal(got_v, -got)
@@ -945,8 +947,9 @@ class _TierEngine:
                 tokens = head + [int(x) for x in rng.integers(0, 5, rng.integers(1, 7))]
                 seq_id = self.next_id
                 self.next_id += 1
-                cached = t.add_sequence(seq_id, tokens)
-                self.tokens[seq_id] = tokens
+                salt = [None, "adapter"][rng.integers(2)]
+                cached = t.add_sequence(seq_id, tokens, cache_salt=salt)
+                self.tokens[seq_id], self.salts[seq_id] = tokens, salt
                 self.step(seq_id, cached)
             elif action == "decode" and rest:
                 seq_id = rest[rng.integers(len(rest))]
@@ -956,7 +959,8 @@ class _TierEngine:
                 self.step(seq_id, len(self.tokens[seq_id]) - 1)
             elif action == "failed_add":  # its forward fails: freed, whatever it found cached
                 head = self.prompts[rng.integers(len(self.prompts))][:rng.integers(4, 10)]
-                t.add_sequence(self.next_id, head + [int(rng.integers(0, 5))])
+                t.add_sequence(self.next_id, head + [int(rng.integers(0, 5))],
+                               cache_salt=[None, "adapter"][rng.integers(2)])
                 self.step_fails()
                 m.discard(self.next_id, 0)
                 self.next_id += 1
@@ -969,6 +973,7 @@ class _TierEngine:
                 src = rest[rng.integers(len(rest))]
                 m.fork(src, self.next_id)
                 self.tokens[self.next_id] = list(self.tokens[src])
+                self.salts[self.next_id] = self.salts[src]
                 self.next_id += 1
             elif action == "truncate" and rest:
                 seq_id = rest[rng.integers(len(rest))]
