@@ -67,14 +67,14 @@ class DetachedSequence:
     """What :meth:`KVCacheManager.attach` needs to bring a detached sequence back (no pages).
 
     num_tokens : int; token_ids : int32 [num_tokens], its tokens (empty when the manager does not
-    cache prefixes: it keeps no token ids then); cache_salt : bytes or None, the salt it was added
-    with. They continue its prefix chain, so pages it fills after coming back are cached under the
+    cache prefixes: it keeps no token ids then); cache_salt : bytes, str or None, the salt it was
+    added with. They continue its prefix chain, so pages it fills after coming back are cached under the
     right keys, and it can be truncated anywhere.
     """
 
     num_tokens: int
     token_ids: np.ndarray
-    cache_salt: bytes | None = None
+    cache_salt: bytes | str | None = None
 
 
 class KVCacheManager:
@@ -619,6 +619,7 @@ class KVCacheManager:
         if not len(records) == len(page_indices) == len(seq_ids):
             raise ValueError(f"expected one record and one page index array per seq_id ({len(seq_ids)}), "
                              f"got {len(records)} and {len(page_indices)}")
+        salts = []
         for seq_id, record in zip(seq_ids, records):
             if not isinstance(record, DetachedSequence):
                 raise TypeError(f"expected a DetachedSequence from detach(), got {type(record).__name__}")
@@ -627,7 +628,7 @@ class KVCacheManager:
                                  f"a manager that caches prefixes), got {len(record.token_ids)}")
             if _new_id(self._rows, seq_id, "seq_id"):
                 raise ValueError(f"expected a new seq_id, got {seq_id!r}, which is already held")
-            check_cache_salt(record.cache_salt)
+            salts.append(check_cache_salt(record.cache_salt))
         indices = []
         for record, index in zip(records, page_indices):
             num_pages = self._num_pages(record.num_tokens)
@@ -645,7 +646,7 @@ class KVCacheManager:
         if len(seq_ids) > len(self._free_rows):
             raise ValueError(f"expected at most max_seqs={len(self.seq_lens)} sequences, got "
                              f"{len(seq_ids) - len(self._free_rows)} more")
-        keys = [self._keys(record.token_ids, record.cache_salt) for record in records]
+        keys = [self._keys(record.token_ids, salt) for record, salt in zip(records, salts)]
         hits = {}  # page index -> the cached page holding its KV
         if reuse_cached and self.prefix is not None:
             page_of = self.prefix.page_of
@@ -662,14 +663,14 @@ class KVCacheManager:
             self.prefix.evictable.pop(page, None)
         if (uses > fresh).any():  # an allocation holds one reference: a page needs one per use
             self.allocator.incref(np.repeat(pages, uses - fresh))
-        for seq_id, record, index, chain in zip(seq_ids, records, indices, keys):
+        for seq_id, record, index, chain, salt in zip(seq_ids, records, indices, keys, salts):
             row = self._free_rows.pop()
             self.block_table[row, :len(index)] = pages[index]
             self.seq_lens[row] = record.num_tokens
             if self.prefix is not None:
                 self._slot_tokens[self._slots(row, 0, record.num_tokens)] = record.token_ids
                 self._page_keys[row] = chain
-            self._salts[row] = record.cache_salt
+            self._salts[row] = salt
             self._own_from[row] = record.num_tokens // self.page_size
             self._rows[seq_id] = row
         return (pages, fresh) if reuse_cached else pages

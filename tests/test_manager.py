@@ -877,6 +877,9 @@ def test_a_cache_salt_shares_pages_only_within_its_salt():
     assert record.cache_salt == b"lora-a"
     pages, fresh = m.attach("a2", record, reuse_cached=True)
     assert fresh.tolist() == [False, False, True] and set(pages[:2]) == salted
+    m.free("a2")                                                     # a record made by hand, a str salt
+    pages, fresh = m.attach("a2", DetachedSequence(9, np.array(prompt, np.int32), "lora-a"), reuse_cached=True)
+    assert fresh.tolist() == [False, False, True] and set(pages[:2]) == salted
     assert salted_root(None) == ROOT_KEY and len({salted_root(s) for s in (None, b"", b"a", b"b")}) == 4
     # no salt's root is a page's key: the salt that spells ROOT_KEY + a page of tokens is not it
     page = np.array([1, 2, 3, 4], "<i4")
