@@ -36,8 +36,9 @@ def check_cache_salt(cache_salt):
 
 def salted_root(cache_salt) -> bytes:
     """The parent key of a sequence's first page: ``ROOT_KEY`` without a salt (None), else a
-    16-byte blake2b of the salt (bytes) personalised apart from page keys, so that no salt's root
-    can equal any page's key."""
+    16-byte blake2b of the salt (bytes, or a str as its UTF-8) personalised apart from page keys,
+    so that no salt's root can equal any page's key."""
+    cache_salt = check_cache_salt(cache_salt)
     if cache_salt is None:
         return ROOT_KEY
     return hashlib.blake2b(cache_salt, digest_size=KEY_BYTES, person=b"pagekv-salt-v1").digest()

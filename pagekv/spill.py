@@ -20,7 +20,7 @@ policy count the same copies.
 
 import numpy as np
 
-from pagekv.prefix import chain_keys, check_cache_salt, salted_root
+from pagekv.prefix import chain_keys, salted_root
 
 __all__ = ["PrefixSpill", "SPILL_POLICIES", "check_spill_policy"]
 
@@ -126,7 +126,7 @@ class PrefixSpill:
             return 0
         tokens = np.asarray(token_ids)
         # the pages add_sequence can hit: not one holding the last token, which it computes
-        root = salted_root(check_cache_salt(cache_salt))
+        root = salted_root(cache_salt)
         keys = chain_keys(tokens, manager.page_size, root)[:(len(tokens) - 1) // manager.page_size]
         hot = manager.prefix.lookup(keys)
         # The hot cache may hold pages past its first miss (the head of a chain evicted before its

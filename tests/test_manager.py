@@ -881,6 +881,7 @@ def test_a_cache_salt_shares_pages_only_within_its_salt():
     pages, fresh = m.attach("a2", DetachedSequence(9, np.array(prompt, np.int32), "lora-a"), reuse_cached=True)
     assert fresh.tolist() == [False, False, True] and set(pages[:2]) == salted
     assert salted_root(None) == ROOT_KEY and len({salted_root(s) for s in (None, b"", b"a", b"b")}) == 4
+    assert salted_root("a") == salted_root(b"a")
     # no salt's root is a page's key: the salt that spells ROOT_KEY + a page of tokens is not it
     page = np.array([1, 2, 3, 4], "<i4")
     assert salted_root(ROOT_KEY + page.tobytes()) != chain_keys(page, 4)[0]
