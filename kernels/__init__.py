@@ -29,7 +29,7 @@ def warmup(*, dtypes=("float32", "bfloat16"), head_dim=128, page_size=16, proces
 
     Parameters
     ----------
-    dtypes : str or tuple of {"float32", "float16", "bfloat16"}
+    dtypes : str or tuple of {"float32", "float16", "bfloat16", "float8_e4m3fn"}
         KV storage kinds to prepare; each has its own decode and prefill kernels (its own tiles).
     head_dim, page_size : int
         Only the tiny problem's shape: the kernels are compiled for any shape.

@@ -26,7 +26,7 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils
 
 from pagekv.kernels._tile_ir import (
-    CACHE_LINE, F32, F32X16, I16, I32, I32X16, I64, LANES, PAIRED, PAIRS, dot_pairs, load,
+    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I32X16, I64, LANES, PAIRED, PAIRS, dot_pairs, load,
     load_wide, multiply_add, or_current, prefetch_each, prefetch_line, score_tile, splat,
     zero_accumulators)
 
@@ -105,7 +105,7 @@ def _emit(builder, storage, rows, q_first, q_step, k_first, k_step, dims, factor
     # the same 16 dims of every key row (FMA) or 32 (vdpbf16ps, and a last 16 if head_dim % 32).
     per_vector = 1 if fma else 2
     block_dims = LANES * per_vector
-    row_bytes = block_dims * (4 if storage == "float32" else 2)
+    row_bytes = block_dims * ELEMENT_BYTES[storage if fma else "bfloat16"]
     keys_t = cgutils.alloca_once(builder, ir.ArrayType(I32X16, MAX_HEAD_DIM // per_vector))
     slots = builder.bitcast(keys_t, I32X16.as_pointer())
     blocks = or_current(builder, [pf, again], k_first)
@@ -181,5 +181,4 @@ def _make_key_lane_tile(storage):
                       "blocks at pf_base and again_base are prefetched (0: none).")
 
 
-KEY_LANE_TILES = {storage: _make_key_lane_tile(storage)
-                  for storage in (PAIRED, "float32", "float16", "bfloat16")}
+KEY_LANE_TILES = {storage: _make_key_lane_tile(storage) for storage in (PAIRED, *ELEMENT_BYTES)}

@@ -16,7 +16,7 @@ from numba.core import cgutils
 # so a test can compile the tiles for another CPU's budget.
 from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._tile_ir import (
-    CACHE_LINE, F32, F32X16, I16, I32, I64, LANES, PAIR_BLOCK, PAIRED, dot_pairs,
+    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I64, LANES, PAIR_BLOCK, PAIRED, dot_pairs,
     four_sums, join, lane_sums, load, load_bf16, load_bf16_pairs, load_wide, multiply_add,
     or_current, over_head_dim, prefetch_line, prefetch_lines, rows_switch, score_tile, splat,
     zero_accumulators)
@@ -104,7 +104,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
         vectors = tokens // per_vector
         sums = zero_accumulators(builder, rows * vectors)
         dot = multiply_add if fma else dot_pairs
-        key_bytes = 4 if storage == "float32" else 2
+        key_bytes = ELEMENT_BYTES[storage if fma else "bfloat16"]
 
         # The FMA tiles prefetch by shares only with AVX2's register budget, where the shares
         # were measured (below); with AVX-512's each key row asks for its own line, as the Intel
@@ -256,6 +256,9 @@ SCORE_TILES = {
     # is no faster than float32 math and rounds the query and probabilities for nothing, and they
     # are the exact path (fast_bf16=False) on every CPU. pagekv.attention chooses.
     "bfloat16": (_make_qk_tile(4, storage="bfloat16"), _make_qk_tile(1, storage="bfloat16")),
+    # float8 E4M3 keys and values: the same tiles, each row widened exactly through float16.
+    "float8_e4m3fn": (_make_qk_tile(4, storage="float8_e4m3fn"),
+                      _make_qk_tile(1, storage="float8_e4m3fn")),
 }
 
 # Prefill's vdpbf16ps tiles of 8 keys (AVX-512): each accumulator holds two keys, 16 dimensions of

@@ -7,7 +7,8 @@ not by memory (docs/performance.md, "Decode attention": each K and V element fee
 query head of its GQA group). AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16 pairs into 16
 float32 sums per instruction, twice the products of a float32 FMA with no widening instructions; on
 other CPUs, float32 FMAs on rows widened as they are loaded. Each tile comes in one *storage*:
-``PAIRED`` (bfloat16 rows by vdpbf16ps), or float32, float16 or bfloat16 rows by FMAs.
+``PAIRED`` (bfloat16 rows by vdpbf16ps), or float32, float16, bfloat16 or float8_e4m3fn rows by
+FMAs (ELEMENT_BYTES).
 
 Rows are taken 32 elements (one 512-bit register) at a time, and a last 16 zero-extended when
 head_dim % 32 == 16 (80, 112): head_dim must be a multiple of 16.
@@ -47,6 +48,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagekv.kernels import prefetch
+from pagekv.kernels._dtypes import e4m3_to_f32
 from pagekv.kernels.prefetch import CACHE_LINE, emit_prefetch
 
 _HOST_FEATURES = llvm.get_host_cpu_features()
@@ -282,11 +284,22 @@ def load_bf16_pairs(builder, address):
     return builder.bitcast(evens, half), builder.bitcast(odds, half)
 
 
+def _load_e4m3_wide(builder, address, lanes=LANES):
+    """``lanes`` float8 E4M3 numbers at address, widened to float32, exactly (NaN kept)."""
+    bytes_ = load(builder, address, ir.VectorType(ir.IntType(8), lanes))
+    return e4m3_to_f32(builder, builder.zext(bytes_, ir.VectorType(I16, lanes)))
+
+
+# Bytes per element of each FMA tile storage.
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+_WIDEN = {"float16": _load_f16, "bfloat16": _load_bf16_wide, "float8_e4m3fn": _load_e4m3_wide}
+
+
 def load_wide(builder, address, storage, lanes=LANES):
-    """``lanes`` numbers of ``storage`` (float32, float16 or bfloat16) at address as float32."""
+    """``lanes`` numbers of ``storage`` (a key of ELEMENT_BYTES) at address as float32."""
     if storage == "float32":
         return load(builder, address, ir.VectorType(F32, lanes))
-    return (_load_f16 if storage == "float16" else _load_bf16_wide)(builder, address, lanes)
+    return _WIDEN[storage](builder, address, lanes)
 
 
 def join(builder, low, high):

@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 # so a test can compile the tiles for another CPU's budget.
 from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._tile_ir import (
-    CACHE_LINE, F32, F32X16, I16, I32, I64, LANES, PAIRED, PAIRS,
+    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I64, LANES, PAIRED, PAIRS,
     ROW_REGISTERS, broadcast_pair, dot_pairs, join, load, load_bf16_pairs, load_wide, multiply_add,
     or_current, over_head_dim, prefetch_each, prefetch_lines, rows_switch, splat, zero_accumulators)
 
@@ -290,8 +290,8 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
     each row per pass (fewer where they would not fit in registers: ACCUMULATORS), held in
     registers across all n value rows (then head_dim's last chunks); the probabilities are
     float32, one per token (p_first + r * p_step: row r's); pf: the addresses of the blocks to
-    prefetch. The value rows are of ``storage`` (float32, float16 or bfloat16; the 16-bit ones
-    widened as they are loaded).
+    prefetch. The value rows are of ``storage`` (a key of ELEMENT_BYTES; the narrow ones widened
+    as they are loaded).
 
     The passes read the block in columns (a 4-row bfloat16 tile at head_dim 128: 8 passes of 32
     bytes of every row), but each pass prefetches its share of the block ahead in memory order
@@ -300,8 +300,7 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
     the memory served those streams slower. AMD EPYC Zen 3, processes alternating, from memory:
     S1 0.79-0.86x the time (bfloat16), 0.78-0.95x (float32), S2 0.78-0.83x, G7 0.82-0.95x, G8
     0.82-0.92x; S3 (one pass already) 1.00x; from L2 0.95-1.03x, prefill 0.96-0.99x."""
-    half = storage != "float32"
-    value_bytes = 2 if half else 4
+    value_bytes = ELEMENT_BYTES[storage]
     chunk_bytes = LANES * value_bytes
     per_pass = max(1, min(F32_CHUNKS, tile_ir.ACCUMULATORS // rows))  # chunks of each row in registers
     sums = zero_accumulators(builder, rows * per_pass)
@@ -314,7 +313,7 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
         """The pass over chunks from ``offset`` bytes into the accumulator rows."""
         steps = [ir.Constant(I64, c * LANES * 4) for c in range(chunks)]
         v_steps = [ir.Constant(I64, c * chunk_bytes) for c in range(chunks)]
-        v_offset = builder.lshr(offset, ir.Constant(I64, 1)) if half else offset
+        v_offset = builder.udiv(offset, ir.Constant(I64, 4 // value_bytes))  # accumulators: float32
         width = chunks * chunk_bytes  # bytes of a value row this pass reads
         share = builder.mul(v_offset, n)  # where this pass's share of the block ahead starts
 
@@ -368,8 +367,7 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
 
 
 # Why each storage has its tiles: kernels/_score_tiles.py, SCORE_TILES.
-VALUE_TILES = {storage: _make_pv_tile(storage=storage)
-               for storage in (PAIRED, "float32", "float16", "bfloat16")}
+VALUE_TILES = {storage: _make_pv_tile(storage=storage) for storage in (PAIRED, *ELEMENT_BYTES)}
 # Prefill's vdpbf16ps value tile of 8 accumulator rows (AVX-512: 16 accumulators) over all of a
 # chunk's pages in one call, for the query rows of a prefill item (16 tokens x a GQA group, 32
 # for MHA). 8 rows, not two tiles of 4: each token pair's value rows are loaded and interleaved

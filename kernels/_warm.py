@@ -46,10 +46,17 @@ def usable_cpus():
 
 
 def tiny_cache(dtype, head_dim, page_size):
-    """A 3-page, 2-head cache of ``dtype`` (bfloat16 as uint16 bits): [3, 2, page_size, head_dim]."""
+    """A 3-page, 2-head cache of ``dtype`` (bfloat16 as uint16 bits, float8_e4m3fn as uint8 bits):
+    [3, 2, page_size, head_dim]."""
     cache = np.random.default_rng(0).standard_normal((3, 2, page_size, head_dim)).astype(np.float32)
     if dtype == "bfloat16":
         return (cache.view(np.uint32) >> 16).astype(np.uint16)
+    if dtype == "float8_e4m3fn":
+        from pagekv.kernels.convert import narrow_e4m3
+
+        bits = np.empty(cache.shape, np.uint8)
+        narrow_e4m3(cache.reshape(-1), bits.reshape(-1))
+        return bits
     return cache.astype(dtype)
 
 
@@ -58,7 +65,7 @@ def run(op, dtype, head_dim, page_size):
     from pagekv import attention
 
     cache = tiny_cache(dtype, head_dim, page_size)
-    query_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]
+    query_dtype = {"float16": np.float16, "bfloat16": np.uint16}.get(dtype, np.float32)
     q = np.ones((2, 4, head_dim), query_dtype)  # a 16-bit query compiles its conversions too
     table = np.array([[0, 1], [2, 0]], np.int32)
     lens = np.array([page_size + 1, 3], np.int32)

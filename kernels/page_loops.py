@@ -3,8 +3,9 @@ keys for a block of query rows, and the probabilities times its values into thei
 
 Two forms of each. The register tiles (kernels/_score_tiles.py, kernels/_value_tiles.py, and
 for prefill's many query rows kernels/_key_lanes.py) serve head_dim a multiple of 16, in one
-of four *kinds* fixed when a kernel compiles: the FMA tiles of each storage (float32, float16,
-bfloat16) and the vdpbf16ps tiles (``PAIRED``) for bfloat16 pages; :func:`kernel_kind` picks.
+of five *kinds* fixed when a kernel compiles: the FMA tiles of each storage (float32, float16,
+bfloat16, float8_e4m3fn) and the vdpbf16ps tiles (``PAIRED``) for bfloat16 pages;
+:func:`kernel_kind` picks.
 Numba's plain loops (:func:`plain_page_scores`, :func:`plain_page_accumulate`) serve any
 head_dim. Both prefetch a block ahead as they read (kernels/prefetch.py). Prefill's values go a
 chunk of pages at a time (:func:`tiled_page_loops`' chunk_accumulate).
@@ -14,7 +15,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16, FORMAT_FLOAT32, load_f32
+from pagekv.kernels._dtypes import (FORMAT_BFLOAT16, FORMAT_FLOAT8_E4M3FN, FORMAT_FLOAT16,
+                                    FORMAT_FLOAT32, load_f32)
 from pagekv.kernels._key_lanes import KEY_LANE_TILES, KEYS, MAX_HEAD_DIM
 from pagekv.kernels._math import JIT
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES
@@ -189,8 +191,8 @@ def _key_lane_scores(kind, num_rows, q, q_row, block, k_row, head_dim, num_token
 
 
 def tiled_page_loops(kind, *, inline=True, many_rows=False):
-    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32 or
-    float16 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
+    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32,
+    float16, bfloat16 or float8 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
 
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
@@ -214,7 +216,7 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
     @jit
     def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
         """:func:`plain_page_scores` by register tiles (kernels/_score_tiles.py), head_dim a
-        multiple of 16: bfloat16 pages by vdpbf16ps, or float32 or float16 pages by FMAs
+        multiple of 16: bfloat16 pages by vdpbf16ps, or float32, float16 or float8 pages by FMAs
         (``kind``).
 
         q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (bfloat16
@@ -280,7 +282,7 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
     def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
         """:func:`plain_page_accumulate` by register tiles of 4 accumulator rows (3, 2 or 1 for
         the rest; kernels/_value_tiles.py), head_dim a multiple of 16: bfloat16 pages by
-        vdpbf16ps, two tokens per instruction (col even), or float32 or float16 pages by FMAs
+        vdpbf16ps, two tokens per instruction (col even), or float32, float16 or float8 pages by FMAs
         (``kind``).
 
         probs : uint32 [rows, pairs], the probabilities packed by pack_pairs
@@ -317,7 +319,8 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
 
 
 # The kernel kinds: the FMA tiles of each storage (kernels/_dtypes.py), and the vdpbf16ps tiles.
-STORAGE = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16"}
+STORAGE = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16",
+           FORMAT_FLOAT8_E4M3FN: "float8_e4m3fn"}
 KINDS = (*STORAGE.values(), PAIRED)
 _TILED = {kind: tiled_page_loops(kind) for kind in KINDS}
 # Prefill's vdpbf16ps kernel calls its tile loops as functions: inlined into a kernel of its own

@@ -1,20 +1,22 @@
 """Arrays at the public boundary: numpy and torch CPU tensors in, zero-copy storage views out.
 
-Kernels see three storage kinds: float32 arrays, and uint16 arrays holding float16 or bfloat16 bit
-patterns (Numba takes no float16 array and has no bfloat16). This module maps what callers hold onto
-those views without copying, and converts the small per-call arrays (queries, outputs) between
-float32 and the 16-bit kinds.
+Kernels see four storage kinds: float32 arrays, uint16 arrays holding float16 or bfloat16 bit
+patterns (Numba takes no float16 array and has no bfloat16), and uint8 arrays holding float8 E4M3
+bit patterns (caches only). This module maps what callers hold onto those views without copying,
+and converts the small per-call arrays (queries, outputs) between float32 and the 16-bit kinds.
 
 Accepted storage:
 - numpy float32, float16; ``ml_dtypes.bfloat16``; uint16 (read as bfloat16 bit patterns, so
   numpy-only users can keep bfloat16 caches);
-- torch CPU tensors of float32, float16, bfloat16 (through ``Tensor.numpy()`` on a 16-bit view).
+- torch CPU tensors of float32, float16, bfloat16 (through ``Tensor.numpy()`` on a 16-bit view);
+- for caches and the keys and values written into them, also float8 E4M3 (OCP's, no infinities):
+  ``ml_dtypes.float8_e4m3fn``, torch ``float8_e4m3fn``, or uint8 (read as its bit patterns).
 """
 
 import numpy as np
 
-KINDS = ("float32", "float16", "bfloat16")
-KV_FORMAT = {"float32": 0, "float16": 1, "bfloat16": 2}  # codes of kernels/_dtypes.py
+KINDS = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+KV_FORMAT = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3}  # codes of kernels/_dtypes.py
 
 
 # Where a cache allocated here starts: on a cache line, 64 bytes past a 4 KiB boundary (where
@@ -38,7 +40,7 @@ def zeros_on_line(shape, dtype):
 
 
 def torch_zeros_on_line(shape, dtype):
-    """``torch.zeros(shape, dtype=dtype)`` (float32, float16 or bfloat16) in the memory of
+    """``torch.zeros(shape, dtype=dtype)`` (float32, float16, bfloat16, float8_e4m3fn) in the memory of
     :func:`zeros_on_line`: on a cache line and, on Linux, in transparent huge pages. numpy asks
     the kernel for huge pages on large arrays (``madvise``); torch's CPU allocator does not unless
     ``THP_MEM_ALLOC_ENABLE=1`` is set, and a cache in 4 KiB pages walks the page tables on every
@@ -46,7 +48,8 @@ def torch_zeros_on_line(shape, dtype):
     the same cache here (1.02-1.04x with that variable set)."""
     import torch  # type: ignore[import-not-found]  # optional: only reached by torch users
 
-    words = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
+    words = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16,
+             torch.float8_e4m3fn: np.uint8}
     return torch.from_numpy(zeros_on_line(shape, words[dtype])).view(dtype)
 
 
@@ -54,14 +57,19 @@ def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-def float_storage(x, name):
+def float_storage(x, name, *, float8=False):
     """A zero-copy numpy view of float data and its logical kind.
+
+    ``float8``: float8 E4M3 is accepted too (caches, and keys and values written into them).
 
     Returns
     -------
-    array : ndarray of float32 or uint16
-    kind : {"float32", "float16", "bfloat16"}
+    array : ndarray of float32, uint16 or (float8) uint8
+    kind : {"float32", "float16", "bfloat16", "float8_e4m3fn"}
     """
+    expected = ("float32, float16, bfloat16 or float8_e4m3fn (or uint16 bfloat16 bits, uint8 "
+                "float8_e4m3fn bits)" if float8 else
+                "float32, float16 or bfloat16 (or uint16 bfloat16 bits)")
     if is_torch(x):
         import torch  # type: ignore[import-not-found]  # optional: only reached with a tensor
 
@@ -70,8 +78,10 @@ def float_storage(x, name):
         x = x.detach()
         if x.dtype == torch.bfloat16:
             return x.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        if float8 and x.dtype == torch.float8_e4m3fn:
+            return x.view(torch.uint8).numpy(), "float8_e4m3fn"
         if x.dtype not in (torch.float32, torch.float16):
-            raise TypeError(f"expected float32, float16 or bfloat16 for {name}, got {x.dtype}")
+            raise TypeError(f"expected {expected} for {name}, got {x.dtype}")
         array = x.numpy()
     else:
         array = np.asarray(x)
@@ -82,11 +92,14 @@ def float_storage(x, name):
         return array, "bfloat16"
     if dtype == np.float16:
         return array.view(np.uint16), "float16"
-    if dtype.name == "bfloat16":  # ml_dtypes; .name is slow (~2 us), so it is asked last
+    if float8 and dtype == np.uint8:
+        return array, "float8_e4m3fn"
+    name_of_dtype = dtype.name  # ml_dtypes; .name is slow (~2 us), so it is asked last
+    if name_of_dtype == "bfloat16":
         return array.view(np.uint16), "bfloat16"
-    raise TypeError(
-        f"expected float32, float16 or bfloat16 (or uint16 bfloat16 bits) for {name}, got {array.dtype}"
-    )
+    if float8 and name_of_dtype == "float8_e4m3fn":
+        return array.view(np.uint8), "float8_e4m3fn"
+    raise TypeError(f"expected {expected} for {name}, got {array.dtype}")
 
 
 def int_array(x, name, ndim):

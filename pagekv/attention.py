@@ -3,8 +3,9 @@
 Every function here checks shapes, dtypes, contiguity and page ids and raises "expected X, got Y"
 errors, then calls a Numba kernel that trusts its input. Caches use the layout of docs/layout.md:
 ``k_cache``, ``v_cache`` each ``[num_pages, num_kv_heads, page_size, head_dim]`` (one layer),
-C-contiguous, float32, float16 or bfloat16 (numpy, ``ml_dtypes.bfloat16``, uint16 bfloat16 bits, or
-torch CPU tensors — never copied). Accumulation is float32; outputs have the query's dtype.
+C-contiguous, float32, float16, bfloat16 or float8_e4m3fn (numpy, ``ml_dtypes.bfloat16`` and
+``ml_dtypes.float8_e4m3fn``, uint16 bfloat16 bits, uint8 float8 bits, or torch CPU tensors — never
+copied). Accumulation is float32; outputs have the query's dtype (float32, float16 or bfloat16).
 The log-sum-exp values (``return_lse``, ``merge_states``) use the natural logarithm.
 """
 
@@ -72,27 +73,35 @@ def _to_float32(array, kind):
     if kind == "float32":
         return array
     out = np.empty(array.shape, np.float32)
-    _convert.widen(np.ascontiguousarray(array).reshape(-1), _arrays.KV_FORMAT[kind], out.reshape(-1))
+    bits = np.ascontiguousarray(array).reshape(-1)
+    if kind == "float8_e4m3fn":
+        _convert.widen_e4m3(bits, out.reshape(-1))
+    else:
+        _convert.widen(bits, _arrays.KV_FORMAT[kind], out.reshape(-1))
     return out
 
 
 def _from_float32(values, kind, out):
-    """Store float32 ``values`` into the storage array ``out`` of ``kind`` (round to nearest even).
+    """Store float32 ``values`` into the storage array ``out`` of ``kind`` (round to nearest even;
+    float8 E4M3 saturates at +-448, kernels/convert.py).
 
     out : C-contiguous, ``values``'s shape.
     """
     if kind == "float32":
         out[...] = values
+        return
+    values = np.ascontiguousarray(values, np.float32).reshape(-1)
+    if kind == "float8_e4m3fn":
+        _convert.narrow_e4m3(values, out.reshape(-1))
     else:
-        _convert.narrow(np.ascontiguousarray(values, np.float32).reshape(-1), _arrays.KV_FORMAT[kind],
-                        out.reshape(-1))
+        _convert.narrow(values, _arrays.KV_FORMAT[kind], out.reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------- checks
 def _caches(k_cache, v_cache, *, written=False):
     """Storage views of the caches, checked; ``written``: the call stores into them."""
-    k, kind = _arrays.float_storage(k_cache, "k_cache")
-    v, v_kind = _arrays.float_storage(v_cache, "v_cache")
+    k, kind = _arrays.float_storage(k_cache, "k_cache", float8=True)
+    v, v_kind = _arrays.float_storage(v_cache, "v_cache", float8=True)
     if k.ndim != 4:
         raise ValueError("expected k_cache of shape [num_pages, num_kv_heads, page_size, head_dim], "
                          f"got {k.ndim}-D shape {k.shape}")
@@ -326,6 +335,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         ``num_q_heads`` a multiple of ``num_kv_heads`` (GQA/MQA: query head i reads KV head
         ``i // (num_q_heads // num_kv_heads)``).
     k_cache, v_cache : float [num_pages, num_kv_heads, page_size, head_dim]
+        float32, float16, bfloat16 or float8_e4m3fn (each number widened exactly to float32 as
+        it is read).
     block_table : int32 [num_seqs, max_pages]
         Physical page of each logical page; entries past a sequence's length are ignored.
     seq_lens : int32 [num_seqs]
@@ -496,7 +507,8 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     Parameters
     ----------
     k, v : float [num_tokens, num_kv_heads, head_dim]
-        Same dtype as the cache (a float32 k/v for a 16-bit cache is rounded to it).
+        Any storage dtype; rounded to the cache's where it differs (to nearest even; a float8
+        E4M3 cache saturates at +-448, its largest finite number, and keeps NaN).
     k_cache, v_cache : float [num_pages, num_kv_heads, page_size, head_dim]
         Written in place.
     slot_mapping : int [num_tokens]
@@ -507,7 +519,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     slots = _arrays.int_array(slot_mapping, "slot_mapping", 1).astype(np.int64)
     new = []
     for name, x in (("k", k), ("v", v)):
-        array, x_kind = _arrays.float_storage(x, name)
+        array, x_kind = _arrays.float_storage(x, name, float8=True)
         if array.shape != (slots.shape[0], num_kv_heads, head_dim):
             raise ValueError(f"expected {name} of shape {(slots.shape[0], num_kv_heads, head_dim)}, "
                              f"got {array.shape}")

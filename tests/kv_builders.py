@@ -6,8 +6,10 @@ import numpy as np
 
 from pagekv import attention
 from pagekv.kernels import slots
+from pagekv.reference import float8
 
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+           "float8_e4m3fn": np.uint8}
 # Tolerance on max|out - ref| / max|ref| by output (query) dtype: float32 accumulates in float32,
 # the 16-bit kinds round the output once.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
@@ -38,11 +40,14 @@ def slots_per_thread(count):
 
 
 def to_storage(values, kind):
-    """float32 values in a storage array of ``kind`` (bfloat16 as uint16 bits, rounded to nearest even)."""
+    """float32 values in a storage array of ``kind`` (bfloat16 as uint16 bits, float8_e4m3fn as
+    uint8 bits; rounded to nearest even)."""
     values = np.asarray(values, np.float32)
     if kind == "bfloat16":
         bits = values.view(np.uint32)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    if kind == "float8_e4m3fn":
+        return float8.encode(values)
     return values.astype(STORAGE[kind])
 
 
@@ -50,6 +55,8 @@ def widen(storage, kind):
     """float64 values of a storage array."""
     if kind == "bfloat16":
         return (storage.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if kind == "float8_e4m3fn":
+        return float8.decode(storage)
     return storage.astype(np.float64)
 
 

@@ -15,7 +15,8 @@ from pagekv.reference import attention as reference
 
 HEAD_DIMS = [64, 72, 80, 96, 128, 256]  # 72: not a multiple of 16, so Numba's loops, not tiles
 PAGE_SIZES = [1, 2, 16, 17, 64, 256]
-KINDS = ["float32", "float16", "bfloat16"]
+KINDS = ["float32", "float16", "bfloat16"]  # of queries and outputs
+CACHE_KINDS = [*KINDS, "float8_e4m3fn"]
 
 
 @st.composite
@@ -28,7 +29,7 @@ def problems(draw, *, max_len=300):
         group=draw(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8])),  # tiles of 4 rows, 3/2/1 rows, both
         head_dim=draw(st.sampled_from(HEAD_DIMS)),
         page_size=draw(st.sampled_from(PAGE_SIZES)),
-        kind=draw(st.sampled_from(KINDS)),
+        kind=draw(st.sampled_from(CACHE_KINDS)),
         q_kind=draw(st.sampled_from(KINDS)),
         options=draw(st.fixed_dictionaries({}, optional={
             "sliding_window": st.integers(1, 80),
@@ -111,11 +112,11 @@ def test_prefill_matches_reference(problem, data):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", CACHE_KINDS)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("page_size, head_dim", [(1, 64), (16, 80), (17, 128), (64, 256)])
 def test_fma_decode_tiles_match_reference(page_size, head_dim, group, kind):
-    """float32, float16 and (without bfloat16 products) bfloat16 pages take decode's FMA tiles
+    """float32, float16, float8 and (without bfloat16 products) bfloat16 pages take decode's FMA tiles
     (kernels/page_loops.py): tiles of 1, 2, 3 or 4 query rows per KV head, and 4-row tiles plus a
     1-, 2- or 3-row tile for the rest (groups 5-7); odd page sizes, pages ending mid-way, every
     head_dim chunk count, with the masking options."""
@@ -134,7 +135,7 @@ def test_fma_decode_tiles_match_reference(page_size, head_dim, group, kind):
         np.testing.assert_allclose(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", CACHE_KINDS)
 def test_prefetch_changes_no_result(kind):
     """Prefetch only moves data closer: outputs are bit-identical off, on, and at any distance
     (1 byte = one block ahead, 10**6 = past every item's end)."""
@@ -206,7 +207,8 @@ def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_page
 
 
 @pytest.mark.parametrize("kind, products", [("bfloat16", True), ("float32", False),
-                                            ("float16", False), ("bfloat16", False)])
+                                            ("float16", False), ("bfloat16", False),
+                                            ("float8_e4m3fn", False)])
 @pytest.mark.parametrize("page_size, head_dim, group", [(16, 128, 2), (18, 80, 4), (48, 256, 3),
                                                       (64, 112, 8), (32, 64, 1)])
 def test_prefill_many_row_tiles_match_reference(page_size, head_dim, group, kind, products):
@@ -256,7 +258,7 @@ def test_prefill_of_whole_prompt_equals_decode_of_last_token():
     np.testing.assert_allclose(full[[96, 129]], last, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CACHE_KINDS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_random_page_order_equals_contiguous_layout(kind, page_size):
     lens = [1, 17, 97, 300]

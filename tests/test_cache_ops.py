@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 from kv_builders import PagedKV, to_storage, widen
 from pagekv import InvalidPageError, attention
 from pagekv.reference import attention as reference
+from pagekv.reference import float8
 
-KINDS = ["float32", "float16", "bfloat16"]
+KINDS = ["float32", "float16", "bfloat16", "float8_e4m3fn"]
 
 
 def caches(kind, *, num_pages=6, heads=2, page_size=17, head_dim=80, seed=0):
@@ -113,8 +114,36 @@ def test_caches_must_match_and_be_contiguous():
         attention.paged_decode_attention(q, k_cache, v_cache[:3], table, lens)
     with pytest.raises(ValueError, match="expected a C-contiguous k_cache"):
         attention.paged_decode_attention(q, k_cache[:, :, ::2], v_cache[:, :, ::2], table, lens)
-    with pytest.raises(TypeError, match="expected float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="expected float32, float16, bfloat16 or float8_e4m3fn"):
         attention.paged_decode_attention(q, k_cache.astype(np.float64), v_cache.astype(np.float64),
                                          table, lens)
+    with pytest.raises(TypeError, match="expected float32, float16, bfloat16 or float8_e4m3fn .* got int8"):
+        attention.paged_decode_attention(q, k_cache.astype(np.int8), v_cache.astype(np.int8), table, lens)
+    with pytest.raises(ValueError, match=r"expected v_cache like k_cache \(float8_e4m3fn .*got bfloat16"):
+        attention.paged_decode_attention(q, k_cache.astype(np.uint8), v_cache.astype(np.uint16), table,
+                                         lens)
+    with pytest.raises(TypeError, match=r"expected float32, float16 or bfloat16 \(or uint16 .* got uint8"):
+        attention.paged_decode_attention(q.astype(np.uint8), k_cache.astype(np.uint8),
+                                         v_cache.astype(np.uint8), table, lens)  # no float8 queries
     with pytest.raises(ValueError, match=r"expected k_cache of shape \[num_pages"):
         attention.paged_decode_attention(q, k_cache[0], v_cache[0], table, lens)
+
+
+def test_write_kv_into_float8_saturates_and_lands_alike_in_every_caller_type():
+    """Beyond +-448 (infinities too) a float8 E4M3 cache holds +-448, NaN stays NaN; uint8 bits,
+    an ml_dtypes.float8_e4m3fn array and a torch float8_e4m3fn tensor receive the same bytes."""
+    k = np.array([[[1e6, -np.inf, np.inf, np.nan, -0.0, 0.3, 449.0, -464.5]]], np.float32)
+    v = -k
+    k_bits, v_bits = np.zeros((1, 1, 1, 8), np.uint8), np.zeros((1, 1, 1, 8), np.uint8)
+    attention.write_kv(k, v, k_bits, v_bits, [0])
+    assert k_bits[0, 0, 0].tolist() == [0x7E, 0xFE, 0x7E, 0x7F, 0x80, float8.encode(0.3), 0x7E, 0xFE]
+    np.testing.assert_array_equal(v_bits[0, 0, 0, [0, 1, 2, 6, 7]], [0xFE, 0x7E, 0xFE, 0xFE, 0x7E])
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    k_ml, v_ml = (np.zeros((1, 1, 1, 8), ml_dtypes.float8_e4m3fn) for _ in range(2))
+    attention.write_kv(k, v, k_ml, v_ml, [0])
+    np.testing.assert_array_equal(k_ml.view(np.uint8), k_bits)
+    torch = pytest.importorskip("torch")
+    k_t, v_t = (torch.zeros((1, 1, 1, 8), dtype=torch.float8_e4m3fn) for _ in range(2))
+    attention.write_kv(torch.from_numpy(k), torch.from_numpy(v), k_t, v_t, [0])
+    np.testing.assert_array_equal(k_t.view(torch.uint8).numpy(), k_bits)
+    np.testing.assert_array_equal(v_t.view(torch.uint8).numpy(), v_bits)

@@ -1,11 +1,13 @@
-"""The compiled 16-bit conversions (kernels/convert.py) against NumPy: every bit pattern one way,
-rounding ties, overflow and NaN the other."""
+"""The compiled conversions (kernels/convert.py) against NumPy, the float8 twin
+(pagekv.reference.float8) and torch: every bit pattern one way, rounding ties, overflow and NaN
+the other."""
 
 import numpy as np
 import pytest
 
 from pagekv.kernels import convert
 from pagekv.kernels._dtypes import FORMAT_BFLOAT16, FORMAT_FLOAT16
+from pagekv.reference import float8
 
 ALL_BITS = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
 
@@ -69,3 +71,49 @@ def test_narrow_float16_matches_numpy():
     numbers = ~np.isnan(values)
     np.testing.assert_array_equal(got[numbers], expected[numbers])
     assert np.isnan(got[~numbers].view(np.float16)).all()
+
+
+# ------------------------------------------------------------------------------ float8 E4M3
+
+def test_widen_float8_every_bit_pattern():
+    bits = np.arange(256, dtype=np.uint16).astype(np.uint8)
+    got = np.empty(256, np.float32)
+    convert.widen_e4m3(bits, got)
+    expected = float8.decode(bits)
+    numbers = ~np.isnan(expected)
+    np.testing.assert_array_equal(got[numbers], expected[numbers])
+    assert np.isnan(got[~numbers]).all() and (~numbers).sum() == 2  # 0x7F and 0xFF
+    np.testing.assert_array_equal(np.signbit(got[numbers]), np.signbit(expected[numbers]))  # -0.0
+
+
+def float8_awkward_values():
+    """awkward_float32s, plus every float8 number, the midpoints between neighbours (ties), and
+    values around the largest (448) and the subnormals."""
+    numbers = float8.VALUES[:0x7F]
+    midpoints = (numbers[:-1] + numbers[1:]) / 2
+    edges = np.array([447.0, 448.0, 449.0, 463.9, 464.0, 464.1, 480.0, 1e30, 2.0 ** -10, 2.0 ** -9.5,
+                      2.0 ** -6 - 2.0 ** -12])
+    mine = np.concatenate([numbers, midpoints, np.nextafter(midpoints, 0), edges]).astype(np.float32)
+    return np.concatenate([awkward_float32s(), mine, -mine])
+
+
+def test_narrow_float8_rounds_to_nearest_even_and_saturates():
+    values = float8_awkward_values()
+    got = np.empty(values.shape, np.uint8)
+    convert.narrow_e4m3(values, got)
+    np.testing.assert_array_equal(got, float8.encode(values))
+    assert got[values == np.inf].tolist() == [0x7E] and got[values == 1e30].tolist() == [0x7E]
+
+
+def test_float8_twin_agrees_with_torch():
+    """The twin, written from the format's definition, against torch's float8_e4m3fn (an
+    implementation of its own): every byte's value, and the rounding of every number within the
+    range (torch's conversion of what lies beyond it is not the saturation pagekv's caches use)."""
+    torch = pytest.importorskip("torch")
+    bits = np.arange(256, dtype=np.uint16).astype(np.uint8)
+    np.testing.assert_array_equal(float8.decode(bits),
+                                  torch.from_numpy(bits).view(torch.float8_e4m3fn).double().numpy())
+    values = float8_awkward_values()
+    values = values[np.abs(values) <= 448]
+    expected = torch.from_numpy(values).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(float8.encode(values), expected)

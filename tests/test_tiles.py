@@ -85,14 +85,15 @@ def _bf16(rng, shape):
 
 
 def _nan_padded_rows(rng, num_rows, filled, head_dim, storage="bfloat16"):
-    """num_rows rows of ``storage`` (float32, float16 or bfloat16 bits) whose first ``filled`` rows
+    """num_rows rows of ``storage`` (float32, float16, bfloat16 or float8 bits) whose first ``filled`` rows
     hold random values and whose other rows, and the 16 elements after each row, hold NaN (what a
     page's unused rows may hold): a tile that reads past them turns its result NaN. Returns (the
     rows as their bits, their float64 values, NaN where not filled)."""
     values = np.full((num_rows, head_dim + 16), np.nan)
     values[:filled, :head_dim] = rng.standard_normal((filled, head_dim))
     stored = to_storage(values, storage)[:, :head_dim]
-    return stored.view(np.uint32 if storage == "float32" else np.uint16), widen(stored, storage)
+    bits = {"float32": np.uint32, "float8_e4m3fn": np.uint8}.get(storage, np.uint16)
+    return stored.view(bits), widen(stored, storage)
 
 
 @given(st.sampled_from(ROWS), st.sampled_from([8, 4, 1]),
@@ -111,7 +112,8 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
 
 @given(st.sampled_from([1, 2, 3, 8, 15, 16, 17, 24, 31, 32, 33, 64, 97]),
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
-       st.integers(0, 2**16), st.booleans(), st.sampled_from([PAIRED, "float32", "float16", "bfloat16"]))
+       st.integers(0, 2**16), st.booleans(),
+       st.sampled_from([PAIRED, "float32", "float16", "bfloat16", "float8_e4m3fn"]))
 def test_key_lane_tiles_match_float64(rows, head_dim, scale, seed, prefetch, storage):
     """The key-lane tiles (kernels/_key_lanes.py) on rows in tiles of 16 and a rest of 8, 4, 2 and
     1, every head_dim chunk count with and without a last 16 dims: bfloat16 queries and keys by
@@ -127,7 +129,7 @@ def test_key_lane_tiles_match_float64(rows, head_dim, scale, seed, prefetch, sto
     assert np.isnan(out[:, 16:]).all()
 
 
-FMA_STORAGE = ["float32", "float16", "bfloat16"]
+FMA_STORAGE = ["float32", "float16", "bfloat16", "float8_e4m3fn"]
 
 
 def _tile_order(storage, head_dim):
@@ -170,7 +172,8 @@ def _check_fma_values(run, rng, rows, head_dim, num_tokens, storage):
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
        st.integers(0, 2**16), st.booleans(), st.sampled_from(FMA_STORAGE))
 def test_fma_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch, storage):
-    """float32 queries against float32, float16 or bfloat16 keys (widened as the tile loads them)."""
+    """float32 queries against float32, float16, bfloat16 or float8 keys (widened as the tile loads
+    them)."""
     _check_fma_scores(_scores(tokens, storage), np.random.default_rng(seed), rows, tokens, head_dim,
                       storage, scale, prefetch)
 
@@ -255,9 +258,9 @@ def test_value_order_is_a_permutation_of_whole_chunks(head_dim):
 @given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 96, 112, 128, 256, 272]),
        st.integers(1, 16), st.integers(0, 2**16), st.sampled_from(FMA_STORAGE))
 def test_fma_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed, storage):
-    """acc += p @ v over num_tokens float32, float16 or bfloat16 rows of a 16-row page whose other
-    rows, the gaps after each row and the probabilities past num_tokens hold NaN; head_dim
-    80-112 and 272 end in a pass of 1-3 chunks."""
+    """acc += p @ v over num_tokens float32, float16, bfloat16 or float8 rows of a 16-row page
+    whose other rows, the gaps after each row and the probabilities past num_tokens hold NaN;
+    head_dim 80-112 and 272 end in a pass of 1-3 chunks."""
     _check_fma_values(_values(storage), np.random.default_rng(seed), rows, head_dim, num_tokens,
                       storage)
 
