@@ -24,21 +24,23 @@ E4M3_NAN = 0x7F  # S.1111.111, the format's only NaN (no infinities); its larges
 
 def e4m3_to_f32(builder, bits):
     """float32 values of E4M3 bit patterns ``bits`` (i16, or a vector of i16, each holding one
-    zero-extended byte), exact, NaN kept: the magnitude's 7 bits shifted under a float16's
-    exponent make a float16 of value / 256, subnormals included (E4M3's exponent bias is 7,
-    float16's 15), widened by vcvtph2ps where the CPU has F16C and multiplied by 256."""
+    zero-extended byte), exact, NaN kept. The byte shifted into the top of its 16 bits and back
+    down one bit (arithmetically, so the sign lands on bits 15 and 14; bit 14 then cleared) is a
+    float16 of value / 256, subnormals included (E4M3's exponent bias is 7, float16's 15):
+    widened by vcvtph2ps where the CPU has F16C, multiplied by 256. Three integer instructions
+    per vector, where taking the sign and the magnitude apart took five."""
     def const(value, of=bits.type):
         return ir.Constant(of, [value] * of.count) if isinstance(of, ir.VectorType) else ir.Constant(of, value)
 
-    float_type = (ir.VectorType(ir.FloatType(), bits.type.count) if isinstance(bits.type, ir.VectorType)
-                  else ir.FloatType())
-    half_type = (ir.VectorType(ir.HalfType(), bits.type.count) if isinstance(bits.type, ir.VectorType)
-                 else ir.HalfType())
-    magnitude = builder.and_(bits, const(0x7F))
-    sign = builder.shl(builder.and_(bits, const(0x80)), const(8))
-    half = builder.bitcast(builder.or_(builder.shl(magnitude, const(7)), sign), half_type)
-    value = builder.fmul(builder.fpext(half, float_type), const(256.0, float_type))
-    is_nan = builder.icmp_unsigned("==", magnitude, const(E4M3_NAN))
+    vector = isinstance(bits.type, ir.VectorType)
+    float_type = ir.VectorType(ir.FloatType(), bits.type.count) if vector else ir.FloatType()
+    half_type = ir.VectorType(ir.HalfType(), bits.type.count) if vector else ir.HalfType()
+    spread = builder.ashr(builder.shl(bits, const(8)), const(1))
+    half_bits = builder.and_(spread, const(0xBFFF))
+    value = builder.fmul(builder.fpext(builder.bitcast(half_bits, half_type), float_type),
+                         const(256.0, float_type))
+    # E4M3's NaN, S.1111.111, is the float16 pattern of +-1.875 here: its magnitude bits 0x3F80.
+    is_nan = builder.icmp_unsigned("==", builder.and_(half_bits, const(0x7FFF)), const(E4M3_NAN << 7))
     return builder.select(is_nan, const(float("nan"), float_type), value)
 
 

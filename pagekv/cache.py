@@ -11,7 +11,7 @@ from pagekv.spec import KVCacheSpec, pool_shape
 
 __all__ = ["KVCache", "check_fits_in_memory"]
 
-_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}
 
 
 def _available_memory() -> int | None:
@@ -47,7 +47,8 @@ class KVCache:
     storage : array, optional
         Memory the caller already owns (a numpy array or a torch CPU tensor) of shape
         ``[num_layers, 2, num_pages, num_kv_heads, page_size, head_dim]``, C-contiguous, of the
-        spec's dtype (bfloat16 as ``torch.bfloat16``, ``ml_dtypes.bfloat16`` or uint16 bits). It is
+        spec's dtype (bfloat16 as ``torch.bfloat16``, ``ml_dtypes.bfloat16`` or uint16 bits;
+        float8_e4m3fn as the torch or ml_dtypes dtype of that name, or uint8 bits). It is
         used in place, never copied: writes through pagekv land in the caller's array.
 
     Raises
@@ -97,7 +98,7 @@ class KVCache:
 
 def _caller_storage(storage, shape, dtype):
     """A zero-copy numpy view of caller-owned storage, checked against the cache's shape and dtype."""
-    array, kind = _arrays.float_storage(storage, "storage")
+    array, kind = _arrays.float_storage(storage, "storage", float8=True)
     if kind != dtype:
         raise TypeError(f"expected storage of dtype {dtype} (the spec's), got {kind}")
     if array.shape != shape:

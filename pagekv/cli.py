@@ -15,6 +15,7 @@ import re
 import sys
 
 from pagekv.models import MAX_CONTEXT, PRESETS, ModelShape
+from pagekv.spec import DTYPES
 from pagekv.sim import POLICIES
 from pagekv.spill import SPILL_POLICIES
 
@@ -72,8 +73,9 @@ def _model_args(parser):
     parser.add_argument("--memory", type=parse_size, default=parse_size("16GiB"),
                         help="KV-cache budget, e.g. 16GiB (default: 16GiB)")
     parser.add_argument("--page-size", type=_positive, default=16, help="tokens per page (default: 16)")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16",
-                        help="KV-cache dtype (default: bfloat16)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                        help="KV-cache dtype; float8_e4m3fn holds twice bfloat16's tokens "
+                        "(default: bfloat16)")
 
 
 def _model(args):

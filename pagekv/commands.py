@@ -148,6 +148,8 @@ def _attention_hook(config, figures, *, every=16):
     rng = np.random.default_rng(0)
     if cache.data.dtype == np.float32:
         cache.data[...] = rng.random(cache.data.shape, dtype=np.float32)
+    elif cache.data.dtype == np.uint8:  # random float8 patterns of magnitude 2**-3 .. 2 (no NaN)
+        cache.data[...] = rng.integers(0x20, 0x40, cache.data.shape, dtype=np.uint8)
     else:  # random finite 16-bit patterns (exponent field below the inf/NaN range)
         cache.data.view(np.uint16)[...] = rng.integers(0x3000, 0x4000, cache.data.shape, dtype=np.uint16)
     group = 4  # query heads per KV head (the presets' GQA ratio; only the timing depends on it)

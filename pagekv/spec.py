@@ -12,9 +12,10 @@ import numpy as np
 
 __all__ = ["KVCacheSpec", "DTYPES", "pool_shape"]
 
-# Storage dtype -> bytes per element. bfloat16 is stored as uint16 bit patterns (docs/layout.md), so
-# numpy-only users need nothing beyond numpy; ml_dtypes.bfloat16 and torch.bfloat16 views also work.
-DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Storage dtype -> bytes per element. bfloat16 is stored as uint16 bit patterns and float8_e4m3fn
+# (OCP's float8 E4M3) as uint8 bit patterns (docs/layout.md), so numpy-only users need nothing beyond
+# numpy; ml_dtypes and torch views of those dtypes also work.
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class KVCacheSpec:
     num_layers, num_kv_heads, head_dim : int
     page_size : int
         Tokens per page (default 16).
-    dtype : {"float32", "float16", "bfloat16"}
+    dtype : {"float32", "float16", "bfloat16", "float8_e4m3fn"}
+        float8_e4m3fn holds twice the tokens of bfloat16 in the same bytes; keys and values are
+        rounded to it as they are written (pagekv.attention.write_kv).
 
     Examples
     --------

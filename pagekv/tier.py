@@ -39,7 +39,7 @@ MAGIC = b"PAGEKVT1"
 VERSION = 1
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIIIIIQQQI")  # magic .. map CRC; the header CRC follows it
-_DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+_DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3}
 _MAP_ENTRY = np.dtype([("key", f"S{KEY_BYTES}"), ("crc", "<u4"), ("pad", "<u4"), ("stamp", "<u8")])
 
 

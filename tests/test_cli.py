@@ -131,6 +131,11 @@ def test_plan_computes_the_design_notes_example(capsys):
     assert "40.00 GiB" in out                   # 131,072 tokens of it
     assert "paged             8 " in out        # 80 GiB / (32,768 x 327,680 B = 10 GiB)
     assert "contiguous        2 " in out        # 80 GiB / (131,072 x 327,680 B)
+    assert main(["plan", "--model", "llama-3-70b", "--memory", "80GiB", "--context", "32768",
+                 "--dtype", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    assert "163,840" in out and "paged             16 " in out  # a byte per number: twice the sequences
+    assert "contiguous        4 " in out
 
 
 def test_info_and_bench(capsys, monkeypatch):

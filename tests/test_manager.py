@@ -415,7 +415,7 @@ def test_spec_bytes_and_budget():
     with pytest.raises(ValueError, match="expected head_dim a positive integer"):
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=0)
     assert spec.pages_for_budget(0) == 0 and spec.pages_for_budget(spec.bytes_per_page - 1) == 0
-    for dtype, itemsize in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
+    for dtype, itemsize in (("float32", 4), ("float16", 2), ("bfloat16", 2), ("float8_e4m3fn", 1)):
         small = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=80, page_size=5, dtype=dtype)
         assert small.itemsize == itemsize and small.bytes_per_token == 2 * 3 * 2 * 80 * itemsize
     # frozen: equal by value, a dict key, and not changed behind a cache's back
@@ -437,7 +437,8 @@ def test_kv_cache_views_and_size():
     assert cache.k(np.int64(2)).shape == (5, 2, 4, 8)
 
 
-@pytest.mark.parametrize("dtype, num_pages", [("float32", 1), ("bfloat16", 97), ("float16", 4096)])
+@pytest.mark.parametrize("dtype, num_pages", [("float32", 1), ("bfloat16", 97), ("float16", 4096),
+                                              ("float8_e4m3fn", 33)])
 def test_kv_cache_starts_on_a_cache_line_past_a_4k_boundary(dtype, num_pages):
     # small caches come from the heap and large ones from mmap: both start where _arrays says
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=80, page_size=16, dtype=dtype)

@@ -38,7 +38,7 @@ def fill(t, seq_id, rng):
     data = t.cache.data
     shape = data[:, :, table].shape
     data[:, :, table] = (rng.standard_normal(shape).astype(np.float32) if data.dtype == np.float32
-                         else rng.integers(0, 2**16, size=shape).astype(data.dtype))
+                         else rng.integers(0, 2**(8 * data.itemsize), size=shape).astype(data.dtype))
     return kv_of(t, seq_id)
 
 
@@ -60,7 +60,7 @@ def snapshot(t):
             t.tier.allocator.free_pages().tolist(), dict(t.tier.prefixes), dict(t._swapped))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("file_backed", [False, True])
 def test_swap_round_trip_keeps_every_byte_through_forks_and_prefix_hits(tmp_path, dtype, file_backed):
     rng = np.random.default_rng(0)

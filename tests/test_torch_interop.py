@@ -29,6 +29,24 @@ def test_decode_on_torch_caches_matches_numpy(dtype):
     np.testing.assert_allclose(out.float().numpy(), expected, rtol=tolerance, atol=tolerance)
 
 
+def test_decode_on_torch_float8_caches_reads_their_bytes_without_a_copy():
+    kv = PagedKV(np.random.default_rng(0), [33, 7], num_kv_heads=2, head_dim=64, page_size=16,
+                 kind="float8_e4m3fn")
+    k = torch.from_numpy(kv.k).view(torch.float8_e4m3fn)
+    v = torch.from_numpy(kv.v).view(torch.float8_e4m3fn)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    out = attention.paged_decode_attention(q, k, v, kv.block_table, kv.seq_lens)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected, _ = reference.decode(q.float().numpy(), k.float().numpy(), v.float().numpy(),
+                                   kv.block_table, kv.seq_lens)
+    np.testing.assert_allclose(out.float().numpy(), expected, rtol=1e-2, atol=1e-2)
+    k.view(torch.uint8)[...] = 0  # the kernels read the tensor's own memory: every key 0
+    flat = attention.paged_decode_attention(q.float(), k, v, kv.block_table, kv.seq_lens)
+    uniform, _ = reference.decode(q.float().numpy(), np.zeros(k.shape), v.float().numpy(),
+                                  kv.block_table, kv.seq_lens)
+    np.testing.assert_allclose(flat.numpy(), uniform, rtol=1e-5, atol=1e-6)
+
+
 def test_small_float_arguments_come_in_any_float_dtype():
     """ALiBi slopes and log-sum-exps as torch computes them (float64 included) mean their float32
     values."""
@@ -64,25 +82,30 @@ def test_out_and_cache_writes_land_in_the_callers_storage():
 
 def test_non_cpu_or_non_float_tensors_are_refused():
     k = torch.zeros(4, 1, 16, 64, dtype=torch.float64)
-    with pytest.raises(TypeError, match="expected float32, float16 or bfloat16 for k_cache, got torch.float64"):
+    with pytest.raises(TypeError, match="expected float32, float16, bfloat16 or float8_e4m3fn .* "
+                                        "for k_cache, got torch.float64"):
         attention.paged_decode_attention(torch.zeros(1, 1, 64), k, k, [[0]], [1])
     meta = torch.zeros(4, 1, 16, 64, device="meta")
     with pytest.raises(ValueError, match="expected a CPU tensor for k_cache, got device meta"):
         attention.paged_decode_attention(torch.zeros(1, 1, 64), meta, meta, [[0]], [1])
 
 
-def test_kv_cache_over_an_engines_torch_tensor():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_kv_cache_over_an_engines_torch_tensor(dtype):
     from pagekv import KVCache, KVCacheSpec
 
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
-    owned = torch.zeros(1, 2, 5, 2, 4, 8, dtype=torch.bfloat16)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype=dtype)
+    owned = torch.zeros(1, 2, 5, 2, 4, 8, dtype=getattr(torch, dtype))
     cache = KVCache(spec, 5, storage=owned)
-    new = torch.full((1, 2, 8), 3.0, dtype=torch.bfloat16)
+    new = torch.full((1, 2, 8), 3.0, dtype=torch.bfloat16)  # rounded to float8 where the cache is
     attention.write_kv(new, new, cache.k(0), cache.v(0), [6])
-    assert owned[0, 0, 1, :, 2].float().eq(3).all()
+    assert owned[0, :, 1, :, 2].float().eq(3).all()
+    assert not owned[0, :, [0, 2, 3, 4]].float().any() and not owned[0, :, 1, :, [0, 1, 3]].float().any()
+    with pytest.raises(TypeError, match=f"expected storage of dtype {dtype}"):
+        KVCache(spec, 5, storage=torch.zeros(1, 2, 5, 2, 4, 8, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
 def test_torch_zeros_on_line_is_zeros_on_a_line(dtype):
     tensor = torch_zeros_on_line((3, 5, 64), getattr(torch, dtype))
     assert tensor.dtype == getattr(torch, dtype) and tensor.shape == (3, 5, 64) and tensor.is_contiguous()

@@ -22,7 +22,7 @@ print(_warm.compiled(("float32", "bfloat16"), 128, 16))
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(dtypes=("int8",)), "expected dtypes among float32, float16, bfloat16, got 'int8'"),
+    (dict(dtypes=("int8",)), "expected dtypes among float32, float16, bfloat16, float8_e4m3fn, got 'int8'"),
     (dict(processes=0), "expected processes None or an int >= 1, got 0"),
     (dict(processes=1.5), "expected processes None or an int >= 1, got 1.5"),
     (dict(progress="yes"), "expected progress None, True or False, got 'yes'"),

@@ -50,6 +50,7 @@ __all__ = ["ATTENTION", "PagedKVPool", "PagedCache", "paged_attention", "registe
 ATTENTION = "pagekv"  # the name of pagekv's attention in transformers' AttentionInterface
 _STEP = "pagekv_step"  # the forward keyword that carries a forward's page tables to the attention
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_PAGE_DTYPES = {name: dtype for dtype, name in _DTYPES.items()} | {"float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -140,8 +141,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def _storage(tensor):
-    """A numpy view of a CPU tensor that pagekv reads as the same dtype (bfloat16 as uint16 bits);
-    a copy only when the tensor is strided.
+    """A numpy view of a CPU tensor that pagekv reads as the same dtype (bfloat16 as uint16 bits,
+    float8_e4m3fn as uint8 bits); a copy only when the tensor is strided.
 
     The kernels' wrappers take torch tensors too, but converting once here instead of inside every
     check saves tens of microseconds per layer and step.
@@ -149,6 +150,8 @@ def _storage(tensor):
     tensor = tensor.detach().contiguous()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(np.uint16)
+    if tensor.dtype == torch.float8_e4m3fn:  # the pages of a float8 pool
+        return tensor.view(torch.uint8).numpy()
     return tensor.numpy()
 
 
@@ -168,8 +171,8 @@ class PagedKVPool:
     ----------
     model : transformers.PreTrainedModel
         A decoder-only model whose attention layers call transformers' AttentionInterface and its
-        ``Cache.update`` (the Llama, Mistral and Qwen2 families among others). Its dtype (float32,
-        float16 or bfloat16) is the pages' dtype.
+        ``Cache.update`` (the Llama, Mistral and Qwen2 families among others), of float32, float16
+        or bfloat16.
     num_pages : int
         Pages in the pool; one page holds ``page_size`` tokens of every layer.
     page_size : int
@@ -179,6 +182,10 @@ class PagedKVPool:
     enable_prefix_caching : bool
         Full pages of token ids seen before are shared instead of stored again (also across
         ``generate`` calls: a second call with the same system prompt reuses its pages).
+    kv_dtype : {"float32", "float16", "bfloat16", "float8_e4m3fn"}, optional
+        The pages' dtype; default the model's. ``"float8_e4m3fn"`` holds twice the tokens of
+        bfloat16 pages in the same memory: each key and value is rounded to float8 E4M3 as it is
+        written (nearest even, saturating at +-448), and attention reads them back exactly.
 
     Attributes
     ----------
@@ -193,10 +200,14 @@ class PagedKVPool:
         cache (``cache`` from 5.24 on).
     """
 
-    def __init__(self, model, *, num_pages, page_size=16, max_seqs=64, enable_prefix_caching=True):
+    def __init__(self, model, *, num_pages, page_size=16, max_seqs=64, enable_prefix_caching=True,
+                 kv_dtype=None):
         config = model.config.get_text_config(decoder=True)
         if model.dtype not in _DTYPES:
             raise TypeError(f"expected a float32, float16 or bfloat16 model, got {model.dtype}")
+        kv_dtype = _DTYPES[model.dtype] if kv_dtype is None else kv_dtype
+        if kv_dtype not in _PAGE_DTYPES:
+            raise ValueError(f"expected kv_dtype None or one of {', '.join(_PAGE_DTYPES)}, got {kv_dtype!r}")
         if model.device.type != "cpu":
             raise ValueError(f"expected a model on the CPU, got device {model.device}")
         num_q_heads = config.num_attention_heads
@@ -204,7 +215,7 @@ class PagedKVPool:
             num_layers=config.num_hidden_layers,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_q_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_q_heads,
-            page_size=page_size, dtype=_DTYPES[model.dtype])
+            page_size=page_size, dtype=kv_dtype)
         shape = pool_shape(self.spec, num_pages)  # checks num_pages
         num_pages = shape[2]
         check_fits_in_memory("a page pool", num_pages, self.spec.bytes_per_page)
@@ -213,7 +224,7 @@ class PagedKVPool:
                                       max_pages_per_seq=min(num_pages, -(-max_tokens // page_size)),
                                       enable_prefix_caching=enable_prefix_caching)
         # in huge pages (pagekv/_arrays.py says why: torch.zeros here read 1.17-1.19x slower)
-        self.storage = torch_zeros_on_line(shape, model.dtype)
+        self.storage = torch_zeros_on_line(shape, _PAGE_DTYPES[kv_dtype])
         self.kv = KVCache(self.spec, num_pages, storage=self.storage)  # numpy views, no copy
         self._k = [self.storage[layer, 0] for layer in range(self.spec.num_layers)]
         self._v = [self.storage[layer, 1] for layer in range(self.spec.num_layers)]
