@@ -17,6 +17,7 @@ import numba
 import numpy as np
 
 from pagekv import KVCache, KVCacheSpec, attention
+from pagekv.kernels.convert import narrow_e4m3
 
 SHAPES = {
     "tiny": dict(num_seqs=3, seq_len=100, num_q_heads=8, num_kv_heads=2, head_dim=64),
@@ -73,6 +74,8 @@ def problem(shape, kind, page_size=PAGE_SIZE):
         v = (v.view(np.uint32) >> 16).astype(np.uint16)
     elif kind == "float16":  # pagekv's cases only (the baselines take float32 and bfloat16)
         k, v = k.astype(np.float16), v.astype(np.float16)
+    elif kind == "float8_e4m3fn":  # pagekv's cases only: each number rounded as write_kv rounds it
+        k, v = float8_bits(k), float8_bits(v)
     contiguous = np.arange(num_pages, dtype=np.int32).reshape(cfg["num_seqs"], pages_per_seq)
     table = order.reshape(cfg["num_seqs"], pages_per_seq)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"],
@@ -83,6 +86,13 @@ def problem(shape, kind, page_size=PAGE_SIZE):
     q = rng.standard_normal((cfg["num_seqs"], cfg["num_q_heads"], cfg["head_dim"]), dtype=np.float32)
     lens = np.full(cfg["num_seqs"], cfg["seq_len"], np.int32)
     return DecodeProblem(q, k, v, table, contiguous, k_contiguous, v_contiguous, lens, kind)
+
+
+def float8_bits(values):
+    """float8 E4M3 bit patterns (uint8, same shape) of float32 ``values``, as write_kv stores them."""
+    bits = np.empty(values.shape, np.uint8)
+    narrow_e4m3(np.ascontiguousarray(values, np.float32).reshape(-1), bits.reshape(-1))
+    return bits
 
 
 def in_kv_cache(spec, k, v):

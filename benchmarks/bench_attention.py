@@ -19,6 +19,11 @@ Every timed decode run reads its pages from memory: the last-level cache is evic
 S2's 128-256 MiB caches, so back-to-back runs had read part of them from L3 and some cells read
 above the roof (the roof's 512 MiB do not fit).
 
+float8 pages (``float8_e4m3fn``, a byte per number: twice bfloat16's tokens in the same memory)
+record their share of the roof in their own bytes and their time over bfloat16 pages' in
+alternating rounds (``extra_info["time_over_bfloat16"]``), the number that says what the
+memory saved costs in speed.
+
 Chunked prefill (S1's caches, each sequence's last 128 tokens as queries) is compute-bound: its
 cases record FLOPs (``extra_info["flops"]``), and pagekv's the median ratio of torch SDPA's time to
 its own in PREFILL_ROUNDS alternating rounds (``extra_info["sdpa_over_pagekv"]``).
@@ -49,6 +54,7 @@ IMPLEMENTATIONS = {
 }
 
 
+FLOAT8_SHAPES = ["S1", "S2", "S3", "G7"]
 PREFILL_IMPLEMENTATIONS = {"pagekv": pagekv_prefill, "torch sdpa (dense)": torch_sdpa_prefill}
 # Odd: the median of the rounds' ratios is one round's, inverted or not. 31, not 15: on the Zen 3
 # VM one round's share of the roof ranged 54-104% (S2 bfloat16, 21 rounds, median 83%), so the
@@ -156,6 +162,26 @@ def test_decode_more(benchmark, shape, kind):
     if not benchmark.disabled:
         share, roof_gbs = share_of_roof(run, p.kv_bytes)
         benchmark.extra_info.update(share_of_roof=share, paired_roof_gbs=roof_gbs)
+    _time_decode(benchmark, run)
+
+
+@pytest.mark.parametrize("shape", FLOAT8_SHAPES)
+def test_decode_float8(benchmark, shape):
+    """pagekv on float8 E4M3 pages: share of the roof (in float8 bytes) and time over the same
+    decode on bfloat16 pages, each in alternating rounds."""
+    p = problem(shape, "float8_e4m3fn")
+    run = pagekv_decode(p)
+    benchmark.group = f"decode {shape} float8_e4m3fn"
+    benchmark.extra_info.update(kind="float8 decode", shape=shape, dtype=p.kind, impl="pagekv",
+                                kv_bytes=p.kv_bytes)
+    if not benchmark.disabled:
+        share, roof_gbs = share_of_roof(run, p.kv_bytes)
+        bfloat16 = pagekv_decode(problem(shape, "bfloat16"))
+        bfloat16()
+        float8_seconds, bfloat16_seconds = paired_times(run, bfloat16, PAIRED_ROUNDS,
+                                                        before_each=evict_llc)
+        benchmark.extra_info.update(share_of_roof=share, paired_roof_gbs=roof_gbs,
+                                    time_over_bfloat16=float(np.median(float8_seconds / bfloat16_seconds)))
     _time_decode(benchmark, run)
 
 

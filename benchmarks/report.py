@@ -91,6 +91,21 @@ def attention_tables(benchmarks):
     return "\n".join(lines)
 
 
+def float8_table(benchmarks):
+    """The float8 pages' decode: GB/s of their own bytes, share of the roof, time over bfloat16's."""
+    rows = [(b["extra_info"], b["stats"]["median"]) for b in benchmarks
+            if b["extra_info"].get("kind") == "float8 decode" and "time_over_bfloat16" in b["extra_info"]]
+    if not rows:
+        return ""
+    lines = ["| shape | float8 GB/s | % of roof | paired roof GB/s | float8 ÷ bfloat16 time |",
+             "|---|---|---|---|---|"]
+    for info, median in sorted(rows, key=lambda row: row[0]["shape"]):
+        lines.append(f"| {info['shape']} | {info['kv_bytes'] / median / 1e9:.1f} "
+                     f"| {100 * info['share_of_roof']:.0f}% | {info['paired_roof_gbs']:.1f} "
+                     f"| {info['time_over_bfloat16']:.2f} |")
+    return "\n".join(lines)
+
+
 def _paired_cell(paired, key):
     return f"{paired[key]:.2f}× |" if key in paired else "— |"
 
@@ -197,6 +212,7 @@ def main(path):
     if any("pages_per_call" in b["extra_info"] for b in data["benchmarks"]):
         print(allocator_tables(data["benchmarks"]))
     print(attention_tables(data["benchmarks"]))
+    print(float8_table(data["benchmarks"]))
     print(prefill_table(data["benchmarks"]))
     print(manager_table(data["benchmarks"]))
     print(transformers_table(data["benchmarks"]))

@@ -30,8 +30,9 @@ How the work is shaped:
   multiple of 16) computes scores and values by float32 FMA tiles of the same shapes: 1.4-1.7x
   faster there than Numba's loops; decode too (see :func:`decode`). Prefill items of 32 query
   rows or more score 16 keys at a time with the keys along the lanes (kernels/_key_lanes.py),
-  and take a chunk's value blocks in one tile per 8 rows (vdpbf16ps). float16 pages, and bfloat16
-  pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is loaded
+  and take a chunk's value blocks in one tile per 8 rows (vdpbf16ps). float16 and float8 pages,
+  and bfloat16 pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is
+  loaded
   (kernels/page_loops.py: the loops over one page, and :func:`kernel_kind`, which picks). Numba's
   plain loops serve head_dim not a multiple of 16. On CPUs with AMX-BF16, bfloat16 prefill and
   decode with GQA groups of 2-16 take AMX tiles instead (kernels/amx_attention.py;
@@ -123,7 +124,7 @@ def _blocks_ahead(k_cache, v_cache, block_table, seq, p, h, num_heads, first, la
 
 def _decode_kernel(kind):
     """The kernel of :func:`decode` for one ``kind`` (:func:`kernel_kind`): the FMA tiles of
-    one storage (float32, float16, bfloat16; Numba's loops where they do not apply), or the
+    one storage (float32, float16, bfloat16, float8_e4m3fn; Numba's loops where they do not apply), or the
     vdpbf16ps tiles (``PAIRED``).
 
     Each compiles only its own kind of tiles: a cold compile of decode took 27-31 s with the
