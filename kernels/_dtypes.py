@@ -1,14 +1,15 @@
 """Narrow storage inside Numba kernels: float16 and bfloat16 pages as uint16 bit patterns, float8
 (OCP E4M3, ``float8_e4m3fn``) pages as uint8 bit patterns.
 
-Numba cannot take a float16 array on the CPU at all, and has no bfloat16 or float8, so narrow caches
-reach the kernels as ``uint16`` or ``uint8`` arrays plus a format code. ``load_f32`` widens each element as the attention
-loops read it (float32 math, float32 accumulation). Widening in the loads, rather than into a
+Numba cannot take a float16 array on the CPU at all, and has no bfloat16 or float8, so narrow
+caches reach the kernels as ``uint16`` or ``uint8`` arrays plus a format code. ``load_f32`` widens
+each element as the attention loops read it (float32 math, float32 accumulation). Widening in the loads, rather than into a
 per-page float32 buffer first, made bfloat16 decode 21-40% faster (no 8 KiB store and reload per
 page and head).
 
 The widening is emitted as LLVM IR, so the loops still vectorise: ``fpext half -> float`` becomes
-``vcvtph2ps`` where the CPU has F16C; bfloat16 -> float32 is exact as a 16-bit shift; float8 E4M3 goes through float16 (:func:`e4m3_to_f32`).
+``vcvtph2ps`` where the CPU has F16C; bfloat16 -> float32 is exact as a 16-bit shift; float8 E4M3
+goes through float16 (:func:`e4m3_to_f32`).
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]
@@ -30,7 +31,9 @@ def e4m3_to_f32(builder, bits):
     widened by vcvtph2ps where the CPU has F16C, multiplied by 256. Three integer instructions
     per vector, where taking the sign and the magnitude apart took five."""
     def const(value, of=bits.type):
-        return ir.Constant(of, [value] * of.count) if isinstance(of, ir.VectorType) else ir.Constant(of, value)
+        if isinstance(of, ir.VectorType):
+            return ir.Constant(of, [value] * of.count)
+        return ir.Constant(of, value)
 
     vector = isinstance(bits.type, ir.VectorType)
     float_type = ir.VectorType(ir.FloatType(), bits.type.count) if vector else ir.FloatType()

@@ -124,8 +124,8 @@ def _blocks_ahead(k_cache, v_cache, block_table, seq, p, h, num_heads, first, la
 
 def _decode_kernel(kind):
     """The kernel of :func:`decode` for one ``kind`` (:func:`kernel_kind`): the FMA tiles of
-    one storage (float32, float16, bfloat16, float8_e4m3fn; Numba's loops where they do not apply), or the
-    vdpbf16ps tiles (``PAIRED``).
+    one storage (float32, float16, bfloat16, float8_e4m3fn; Numba's loops where they do not
+    apply), or the vdpbf16ps tiles (``PAIRED``).
 
     Each compiles only its own kind of tiles: a cold compile of decode took 27-31 s with the
     float32 and bfloat16 tiles in one kernel, 20-23 s per storage then (this VM, noisy), and a
