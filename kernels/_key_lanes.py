@@ -1,7 +1,8 @@
 """Score tiles with the keys along the lanes: prefill's scores of any number of query rows
 against 16 consecutive key rows, with no lane-sum tree. ``KEY_LANE_TILES[storage]`` is one Numba
-intrinsic per storage (kernels/_tile_ir.py): bfloat16 rows by vdpbf16ps (``PAIRED``), or float32
-queries and float32, float16 or bfloat16 key rows by FMAs.
+intrinsic per storage (kernels/_tile_ir.py): bfloat16 queries and bfloat16 or float8 key rows by
+vdpbf16ps (``PAIRED``, ``PAIRED_FLOAT8``), or float32 queries and float32, float16, bfloat16 or
+float8 key rows by FMAs.
 
 The other score tiles (kernels/_score_tiles.py) put a row's dimensions along the lanes and sum
 each accumulator's lanes at the end: a tree of shuffles per tile, and each step reloads the
@@ -26,8 +27,8 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils
 
 from pagekv.kernels._tile_ir import (
-    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I32X16, I64, LANES, PAIRED, PAIRS, dot_pairs, load,
-    load_wide, multiply_add, or_current, prefetch_each, prefetch_line, score_tile, splat,
+    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I32X16, I64, LANES, PAIR_BYTES, PAIRS, dot_pairs,
+    load_wide, multiply_add, or_current, prefetch_each, prefetch_line, row_words, score_tile, splat,
     zero_accumulators)
 
 KEYS = LANES  # key rows per tile: one per float32 lane
@@ -74,23 +75,10 @@ def _transpose(builder, rows):
     return out
 
 
-def _key_words(builder, address, storage, whole):
-    """A block of a key row at address as 16 32-bit words: 32 bfloat16 dims as their 16 pairs
-    (``PAIRED``; with ``whole`` false 16 dims, as the first 8 words and zeros above), or 16 dims
-    of float32, float16 or bfloat16 widened to float32."""
-    if storage != PAIRED:
-        return builder.bitcast(load_wide(builder, address, storage), I32X16)
-    if whole:
-        return load(builder, address, I32X16)
-    half = load(builder, address, ir.VectorType(I32, LANES // 2))
-    return builder.shuffle_vector(half, ir.Constant(half.type, [0] * (LANES // 2)),
-                                  ir.Constant(I32X16, list(range(LANES))))
-
-
 def _query_lanes(builder, address, storage):
-    """The query's word at address in every lane: a bfloat16 pair as <32 x i16> (``PAIRED``), or
+    """The query's word at address in every lane: a bfloat16 pair as <32 x i16> (vdpbf16ps), or
     a float32 as <16 x float> (the FMA tiles' queries are float32 for any storage)."""
-    if storage != PAIRED:
+    if storage in ELEMENT_BYTES:
         return splat(builder, builder.load(builder.inttoptr(address, F32.as_pointer()), align=4))
     word = builder.load(builder.inttoptr(address, I32.as_pointer()), align=4)
     one = builder.insert_element(ir.Constant(I32X16, ir.Undefined), word, ir.Constant(I32, 0))
@@ -100,12 +88,12 @@ def _query_lanes(builder, address, storage):
 
 def _emit(builder, storage, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step,
           pf, again):
-    fma = storage != PAIRED
+    fma = storage in ELEMENT_BYTES
     # One transposed vector per dim (FMA) or per pair of dims (vdpbf16ps); a block is 16 of them,
     # the same 16 dims of every key row (FMA) or 32 (vdpbf16ps, and a last 16 if head_dim % 32).
     per_vector = 1 if fma else 2
     block_dims = LANES * per_vector
-    row_bytes = block_dims * ELEMENT_BYTES[storage if fma else "bfloat16"]
+    row_bytes = block_dims * (ELEMENT_BYTES[storage] if fma else PAIR_BYTES[storage])
     keys_t = cgutils.alloca_once(builder, ir.ArrayType(I32X16, MAX_HEAD_DIM // per_vector))
     slots = builder.bitcast(keys_t, I32X16.as_pointer())
     blocks = or_current(builder, [pf, again], k_first)
@@ -113,15 +101,20 @@ def _emit(builder, storage, rows, q_first, q_step, k_first, k_step, dims, factor
     def transpose_block(offset, index, whole):
         """A block of the 16 key rows, bytes offset .. of each, into vectors index .. index + 15
         (the first 8 of them with ``whole`` false), prefetching the same bytes of the blocks
-        ahead (each line once)."""
-        words = []
+        ahead (each line once). Each row's block becomes 16 32-bit words: 16 dims widened to
+        float32 (FMA), or 32 dims as bfloat16 pairs (with ``whole`` false 16 dims, as the first 8
+        words and zeros above)."""
+        addresses = []
         for t in range(KEYS):
             row = builder.add(builder.mul(k_step, ir.Constant(I64, t)), offset)
             if row_bytes >= CACHE_LINE:
                 prefetch_each(builder, blocks, row)
             else:
                 prefetch_line(builder, blocks, row, offset)
-            words.append(_key_words(builder, builder.add(k_first, row), storage, whole))
+            addresses.append(builder.add(k_first, row))
+        words = ([load_wide(builder, address, storage) for address in addresses] if fma else
+                 row_words(builder, addresses, storage, PAIRS if whole else LANES))
+        words = [builder.bitcast(word, I32X16) for word in words]
         for c, column in enumerate(_transpose(builder, words)[:LANES if whole else LANES // 2]):
             builder.store(column, builder.gep(slots, [builder.add(index, ir.Constant(I64, c))]),
                           align=64)
@@ -171,8 +164,9 @@ def _emit(builder, storage, rows, q_first, q_step, k_first, k_step, dims, factor
 
 
 def _make_key_lane_tile(storage):
-    """The key-lane tile of one storage (kernels/_tile_ir.py): bfloat16 query and key rows by
-    vdpbf16ps (``PAIRED``), or float32 queries and float32, float16 or bfloat16 key rows, widened
+    """The key-lane tile of one storage (kernels/_tile_ir.py): bfloat16 queries and bfloat16 (or
+    float8, turned into bfloat16) key rows by vdpbf16ps (``PAIRED``, ``PAIRED_FLOAT8``), or
+    float32 queries and float32, float16, bfloat16 or float8 key rows, widened
     as they are loaded, by FMAs."""
     return score_tile(lambda builder, args: _emit(builder, storage, *args),
                       f"Scores of ``rows`` (any number) query rows against 16 consecutive {storage} "
@@ -181,4 +175,4 @@ def _make_key_lane_tile(storage):
                       "blocks at pf_base and again_base are prefetched (0: none).")
 
 
-KEY_LANE_TILES = {storage: _make_key_lane_tile(storage) for storage in (PAIRED, *ELEMENT_BYTES)}
+KEY_LANE_TILES = {storage: _make_key_lane_tile(storage) for storage in (*PAIR_BYTES, *ELEMENT_BYTES)}

@@ -1,7 +1,7 @@
 """Score tiles: the scores of 1-4 query rows against 8, 4 or 1 consecutive key rows of a page block.
 
 ``SCORE_TILES[storage]`` is the pair (four keys, one key) of Numba intrinsics for one storage
-(kernels/_tile_ir.py), and ``EIGHT_KEYS`` prefill's vdpbf16ps tile of eight keys: a register
+(kernels/_tile_ir.py), and ``EIGHT_KEYS[storage]`` prefill's vdpbf16ps tile of eight keys: a register
 tile of rows x keys accumulators, summed across lanes together at the end (one tree of shuffles
 for the whole tile, not one per dot product; two for more than 16 scores), scaled and stored one
 row at a time. vdpbf16ps tiles take bfloat16 queries (``PAIRED``); FMA tiles take float32
@@ -16,10 +16,10 @@ from numba.core import cgutils
 # so a test can compile the tiles for another CPU's budget.
 from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._tile_ir import (
-    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I64, LANES, PAIR_BLOCK, PAIRED, dot_pairs,
-    four_sums, join, lane_sums, load, load_bf16, load_bf16_pairs, load_wide, multiply_add,
-    or_current, over_head_dim, prefetch_line, prefetch_lines, rows_switch, score_tile, splat,
-    zero_accumulators)
+    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I64, LANES, PAIR_BLOCK, PAIR_BYTES, PAIRED,
+    PAIRED_FLOAT8, PAIRS, dot_pairs, e4m3_words, four_sums, join, lane_sums, load, load_bf16,
+    load_bf16_pairs, load_wide, multiply_add, or_current, over_head_dim, prefetch_line,
+    prefetch_lines, rows_switch, row_words, score_tile, splat, zero_accumulators)
 
 
 def _score_order(rows, tokens):
@@ -68,7 +68,8 @@ def _reduce(builder, sums, rows, tokens, halves, avx2):
 
 def _make_qk_tile(tokens, *, storage=PAIRED):
     """Tiles of rows x tokens scores, rows (1-4) the first argument, head_dim a multiple of 16:
-    bfloat16 key rows and queries by vdpbf16ps (``storage=PAIRED``), or float32 queries and
+    bfloat16 queries and bfloat16 key rows (``storage=PAIRED``) or float8 ones turned into
+    bfloat16 as they are loaded (``PAIRED_FLOAT8``) by vdpbf16ps, or float32 queries and
     float32, float16 or bfloat16 key rows (widened as they are loaded) by FMAs; with bfloat16
     keys and PAIR_ORDER the query rows are in pair order (kernels/_tile_rows.py).
 
@@ -83,7 +84,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
     the time, AMD EPYC Zen 3, separate processes alternating); its 4 sums take
     :func:`four_sums`. Tiles of 8 keys (``EIGHT_KEYS``) always put two keys in each accumulator.
     """
-    fma = storage != PAIRED
+    fma = storage in ELEMENT_BYTES
 
     def emit(builder, rows, q_first, q_step, k_first, k_step, dims, factor, out_base, out_step, *pf):
         halves = tokens == 8 or (fma and tile_ir.ACCUMULATORS < 16 and tokens > 1 and rows > 1)
@@ -104,7 +105,7 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
         vectors = tokens // per_vector
         sums = zero_accumulators(builder, rows * vectors)
         dot = multiply_add if fma else dot_pairs
-        key_bytes = ELEMENT_BYTES[storage if fma else "bfloat16"]
+        key_bytes = ELEMENT_BYTES[storage] if fma else PAIR_BYTES[storage]
 
         # The FMA tiles prefetch by shares only with AVX2's register budget, where the shares
         # were measured (below); with AVX-512's each key row asks for its own line, as the Intel
@@ -147,18 +148,22 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             floats, or 16 bfloat16 for vdpbf16ps)."""
             key_offset = offset if key_offset is None else key_offset
             keys_of_chunk = []
-            chunk_bytes = width * key_bytes if fma or halves else 64
+            chunk_bytes = width * key_bytes if fma or halves else PAIRS * key_bytes
             prefetch_share(key_offset, chunk_bytes)
-            for j in range(vectors):
+            if not fma and not halves:  # one vector per key row
+                keys_of_chunk = row_words(builder, [key_row(j, key_offset, chunk_bytes)
+                                                    for j in range(vectors)], storage, width)
+            for j in range(vectors if fma or halves else 0):
                 if halves:
                     pair = [key_row(2 * j + h, key_offset, chunk_bytes) for h in range(2)]
+                    if storage == PAIRED_FLOAT8:  # the two rows' 16 numbers in one conversion
+                        keys_of_chunk += e4m3_words(builder, pair, width, [list(range(PAIRS))])
+                        continue
                     pair = ([load_wide(builder, row, storage, width) for row in pair] if fma else
                             [load(builder, row, ir.VectorType(I16, width)) for row in pair])
                     keys_of_chunk.append(join(builder, *pair))
-                elif fma:
-                    keys_of_chunk.append(load_wide(builder, key_row(j, key_offset, chunk_bytes), storage))
                 else:
-                    keys_of_chunk.append(load_bf16(builder, key_row(j, key_offset, chunk_bytes), width))
+                    keys_of_chunk.append(load_wide(builder, key_row(j, key_offset, chunk_bytes), storage))
             for r in range(rows):
                 address = builder.add(q_first, builder.add(builder.mul(q_step, ir.Constant(I64, r)), offset))
                 if halves:
@@ -204,8 +209,9 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
             with cgutils.for_range(builder, builder.udiv(dims, ir.Constant(I64, width))) as loop:
                 multiply(builder.mul(loop.index, ir.Constant(I64, width * (4 if fma else 2))), width,
                          builder.mul(loop.index, ir.Constant(I64, width * key_bytes)))
-        else:
-            over_head_dim(builder, dims, multiply)
+        else:  # chunks of 32 elements, offsets in bfloat16 bytes (halved for float8 key rows)
+            over_head_dim(builder, dims, lambda offset, width: multiply(
+                offset, width, builder.udiv(offset, ir.Constant(I64, 2 // key_bytes))))
         totals, lane_of = _reduce(builder, [builder.load(s) for s in sums], rows, tokens, halves,
                                   fma and tile_ir.ACCUMULATORS < 16)
         totals = [builder.fmul(total, splat(builder, factor)) for total in totals]
@@ -236,6 +242,10 @@ def _make_qk_tile(tokens, *, storage=PAIRED):
 # (0.98-1.01x).
 SCORE_TILES = {
     PAIRED: (_make_qk_tile(4), _make_qk_tile(1)),
+    # float8 pages by vdpbf16ps: each run of 64 bytes of key rows turned into bfloat16 by table
+    # lookups (kernels/_tile_ir.py, e4m3_words), where the FMA tiles widen 16 numbers through
+    # float16 in ~7 instructions and then multiply them one query row at a time.
+    PAIRED_FLOAT8: (_make_qk_tile(4, storage=PAIRED_FLOAT8), _make_qk_tile(1, storage=PAIRED_FLOAT8)),
     # The float32 tiles serve prefill and decode. In prefill the score tiles were 7-29% faster
     # than Numba's own loops (which reduce each score's lanes alone) and, with the value tiles,
     # made prefill 1.4-1.7x faster in all (2K causal, head_dim 64/80/128). In decode,
@@ -270,4 +280,4 @@ SCORE_TILES = {
 # too (S1 0.96, S3 0.91, G8 1.01) but from memory it did not (S1 1.01-1.02, S3 1.03-1.04, G7 0.98,
 # two runs). The float32 FMA tiles of 8 keys gained less in prefill (0.94-0.97) and lost in decode
 # from cache (G8 1.04): not taken.
-EIGHT_KEYS = _make_qk_tile(8)
+EIGHT_KEYS = {storage: _make_qk_tile(8, storage=storage) for storage in PAIR_BYTES}

@@ -7,8 +7,9 @@ not by memory (docs/performance.md, "Decode attention": each K and V element fee
 query head of its GQA group). AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16 pairs into 16
 float32 sums per instruction, twice the products of a float32 FMA with no widening instructions; on
 other CPUs, float32 FMAs on rows widened as they are loaded. Each tile comes in one *storage*:
-``PAIRED`` (bfloat16 rows by vdpbf16ps), or float32, float16, bfloat16 or float8_e4m3fn rows by
-FMAs (ELEMENT_BYTES).
+``PAIRED`` (bfloat16 rows by vdpbf16ps), ``PAIRED_FLOAT8`` (float8_e4m3fn rows turned into
+bfloat16 as they are loaded, by vdpbf16ps: :func:`pair_words`), or float32, float16, bfloat16 or
+float8_e4m3fn rows by FMAs (ELEMENT_BYTES).
 
 Rows are taken 32 elements (one 512-bit register) at a time, and a last 16 zero-extended when
 head_dim % 32 == 16 (80, 112): head_dim must be a multiple of 16.
@@ -41,6 +42,9 @@ Same EPYC, in one process, alternating: from L1 the score tile 0.70-0.90x the ti
 the value tile 0.70-1.05x; S1 bfloat16 decode from L2 30-33 -> 38-41 GFMA/s, G8 39-40 -> 47-56.
 """
 
+import math
+import struct
+
 import llvmlite.binding as llvm  # type: ignore[import-untyped]
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba import types
@@ -48,13 +52,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagekv.kernels import prefetch
-from pagekv.kernels._dtypes import e4m3_to_f32
+from pagekv.kernels._dtypes import E4M3_NAN, e4m3_to_f32
 from pagekv.kernels.prefetch import CACHE_LINE, emit_prefetch
 
 _HOST_FEATURES = llvm.get_host_cpu_features()
 HAS_AVX512_BF16 = bool(_HOST_FEATURES.get("avx512bf16"))
 HAS_AVX512F = bool(_HOST_FEATURES.get("avx512f"))
-PAIRED = "bfloat16 pairs"  # the storage name of the vdpbf16ps tiles (the others are FMA tiles)
+HAS_AVX512_VBMI = bool(_HOST_FEATURES.get("avx512vbmi"))  # vpermi2b: float8 -> bfloat16 by tables
+# The storage names of the vdpbf16ps tiles (the others are FMA tiles) and their bytes per element.
+PAIRED = "bfloat16 pairs"
+PAIRED_FLOAT8 = "float8_e4m3fn pairs"
+PAIR_BYTES = {PAIRED: 2, PAIRED_FLOAT8: 1}
 LANES = 16  # float32 lanes of one 512-bit register
 PAIRS = 32  # bfloat16 elements of one 512-bit register: one chunk of a row
 MAX_ROWS = 4  # query rows of the largest tile; a GQA group's rest takes one tile of 1-3 rows
@@ -74,7 +82,9 @@ F32 = ir.FloatType()
 I16 = ir.IntType(16)
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
+I8 = ir.IntType(8)
 F32X16 = ir.VectorType(F32, LANES)
+I8X64 = ir.VectorType(I8, 2 * PAIRS)
 I16X32 = ir.VectorType(I16, PAIRS)
 I32X16 = ir.VectorType(I32, LANES)
 
@@ -316,6 +326,87 @@ def load_bf16(builder, address, width):
     half = load(builder, address, ir.VectorType(I16, LANES))
     return builder.shuffle_vector(half, ir.Constant(ir.VectorType(I16, LANES), [0] * LANES),
                                   ir.Constant(ir.VectorType(I32, PAIRS), list(range(PAIRS))))
+
+
+def _e4m3_bf16_bits(byte):
+    """The bfloat16 bit pattern of the E4M3 number ``byte`` (0-127: no sign), exact (3 significant
+    bits, exponents -9 to 8); NaN as bfloat16's quiet NaN."""
+    exponent, mantissa = byte >> 3, byte & 7
+    if byte == E4M3_NAN:
+        return 0x7FC0
+    value = math.ldexp(mantissa + (8 if exponent else 0), max(exponent, 1) - 10)
+    return struct.unpack("<I", struct.pack("<f", value))[0] >> 16
+
+
+_E4M3_BF16 = [_e4m3_bf16_bits(byte) for byte in range(128)]
+
+
+def _e4m3_bf16_bytes(builder, bytes_):
+    """The bfloat16 bit patterns of 64 E4M3 numbers (<64 x i8>), exact, NaN kept, as their low
+    bytes and their high bytes (two <64 x i8>).
+
+    With AVX512-VBMI each is one vpermi2b, a lookup of the byte's low 7 bits in a 128-byte table,
+    and the sign is or-ed into the high bytes (vpternlog): 3 instructions per 64 numbers, where
+    the arithmetic way (shifts, an exponent add, a table for subnormals, a NaN test) took ~10
+    per 32. Elsewhere (the tests' portable form) through float32 (:func:`e4m3_to_f32`), whose
+    top 16 bits are the bfloat16."""
+    if HAS_AVX512_VBMI:
+        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I8X64, [I8X64] * 3),
+                                                 "llvm.x86.avx512.vpermi2var.qi.512")
+
+        def look_up(table):
+            return builder.call(permute, [ir.Constant(I8X64, table[:64]), bytes_,
+                                          ir.Constant(I8X64, table[64:])])
+
+        low = look_up([bits & 0xFF for bits in _E4M3_BF16])
+        high = look_up([bits >> 8 for bits in _E4M3_BF16])
+        return low, builder.or_(high, builder.and_(bytes_, ir.Constant(I8X64, [0x80] * 64)))
+    wide = ir.VectorType(I32, 64)
+    bits = builder.lshr(builder.bitcast(e4m3_to_f32(builder, builder.zext(bytes_, ir.VectorType(I16, 64))),
+                                        wide), ir.Constant(wide, [16] * 64))
+    return (builder.trunc(bits, I8X64),
+            builder.trunc(builder.lshr(bits, ir.Constant(wide, [8] * 64)), I8X64))
+
+
+def e4m3_words(builder, rows, width, picks):
+    """E4M3 rows as bfloat16 bit patterns, picked into <32 x i16> vectors.
+
+    rows : the addresses of up to 64 // width rows of ``width`` (16 or 32) bytes each (None: a
+    row of zeros), taken as one run of bytes, row i at i * width. picks : one list of 32 indices
+    into that run per vector returned (None: a zero word). The run is converted once
+    (:func:`_e4m3_bf16_bytes`) and each vector is one two-source byte permute (vpermt2b) of
+    its low and high bytes."""
+    byte_row = ir.VectorType(I8, width)
+    run = [load(builder, row, byte_row) if row is not None else ir.Constant(byte_row, [0] * width)
+           for row in rows]
+    while len(run) > 1 or run[0].type.count < 64:
+        if len(run) % 2:
+            run.append(ir.Constant(run[0].type, [0] * run[0].type.count))
+        run = [join(builder, run[i], run[i + 1]) for i in range(0, len(run), 2)]
+    low, high = _e4m3_bf16_bytes(builder, run[0])
+    words = []
+    for pick in picks:
+        mask = [index for p in pick for index in ((0, 64) if p is None else (p, 64 + p))]
+        word_bytes = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 64), mask))
+        vector = builder.bitcast(word_bytes, I16X32)
+        if None in pick:
+            vector = builder.select(ir.Constant(ir.VectorType(ir.IntType(1), PAIRS), [p is not None for p in pick]),
+                                    vector, ir.Constant(I16X32, [0] * PAIRS))
+        words.append(vector)
+    return words
+
+
+def row_words(builder, rows, storage, width):
+    """Rows of a vdpbf16ps storage (PAIR_BYTES) at the addresses ``rows``, ``width`` (32 or 16)
+    elements of each, as one <32 x i16> of bfloat16 bits per row, zeros above a 16-wide row."""
+    if storage == PAIRED:
+        return [load_bf16(builder, row, width) for row in rows]
+    words = []
+    for first in range(0, len(rows), 64 // width):  # the rows of each 64 bytes, converted at once
+        group = rows[first:first + 64 // width]
+        words += e4m3_words(builder, group, width, [
+            [i * width + d if d < width else None for d in range(PAIRS)] for i in range(len(group))])
+    return words
 
 
 def over_head_dim(builder, head_dim, step):

@@ -20,9 +20,10 @@ from numba.extending import intrinsic
 # so a test can compile the tiles for another CPU's budget.
 from pagekv.kernels import _tile_ir as tile_ir
 from pagekv.kernels._tile_ir import (
-    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I64, LANES, PAIRED, PAIRS,
-    ROW_REGISTERS, broadcast_pair, dot_pairs, join, load, load_bf16_pairs, load_wide, multiply_add,
-    or_current, over_head_dim, prefetch_each, prefetch_lines, rows_switch, splat, zero_accumulators)
+    CACHE_LINE, ELEMENT_BYTES, F32, F32X16, I16, I32, I64, LANES, PAIR_BYTES, PAIRED, PAIRED_FLOAT8,
+    PAIRS, ROW_REGISTERS, broadcast_pair, dot_pairs, e4m3_words, join, load, load_bf16_pairs,
+    load_wide, multiply_add, or_current, over_head_dim, prefetch_each, prefetch_lines, rows_switch,
+    splat, zero_accumulators)
 
 
 def _unpack_masks(width):
@@ -55,14 +56,30 @@ def _interleave(builder, v0, v1, width):
     return [builder.shuffle_vector(*halves, ir.Constant(ir.VectorType(I32, PAIRS), list(range(PAIRS))))]
 
 
+def _row_pairs(builder, storage, row0, row1, width):
+    """The pair vectors of :func:`_interleave` for the value rows at addresses row0 and row1
+    (None: a row of zeros), ``width`` elements of each: bfloat16 rows loaded and interleaved, or
+    float8 rows (``PAIRED_FLOAT8``) turned into bfloat16 and interleaved at once, both rows'
+    bytes in one conversion (kernels/_tile_ir.py, e4m3_words)."""
+    if storage == PAIRED_FLOAT8:
+        low, high = _unpack_masks(width)
+        return e4m3_words(builder, [row0, row1], width, [low, high] if width == PAIRS else [low + high])
+    zeros = ir.Constant(ir.VectorType(I16, width), [0] * width)
+    rows = [zeros if row is None else load(builder, row, ir.VectorType(I16, width)) for row in (row0, row1)]
+    return _interleave(builder, *rows, width)
+
+
 def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
     """Value tiles of ``rows`` (1-4, the first argument) accumulator rows over one block:
-    bfloat16 value rows by vdpbf16ps with packed probability pairs (``storage=PAIRED``), or
+    bfloat16 value rows (``storage=PAIRED``) or float8 ones turned into bfloat16 as they are
+    loaded (``PAIRED_FLOAT8``) by vdpbf16ps with packed probability pairs, or
     float32, float16 or bfloat16 value rows (widened as they are loaded) and float32
     probabilities by FMAs; with bfloat16 rows and PAIR_ORDER the accumulator rows are in pair
     order (kernels/_tile_rows.py). With ``chunk_rows`` (vdpbf16ps only) the tile of that many
     rows (whatever its first argument) over a chunk's blocks, listed in an array."""
     blocks = chunk_rows is not None
+    # over_head_dim's offsets are bytes into a bfloat16 row; a value row's are these over this.
+    row_scale = 2 // PAIR_BYTES.get(storage, 2)
 
     def emit(builder, rows, *args):
         if blocks:  # a chunk's blocks, their addresses and those to prefetch in int64 arrays
@@ -73,7 +90,7 @@ def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
         else:
             acc_first, acc_step, v_first, v_step, p_first, p_step, n, dims = args[:8]
             pf = or_current(builder, args[8:], v_first)
-            if storage != PAIRED:
+            if storage in ELEMENT_BYTES:
                 _values_f32(builder, rows, *args[:8], pf, storage=storage)
                 return
         sums = zero_accumulators(builder, 2 * rows)
@@ -102,27 +119,22 @@ def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
             bfloat16 rows: AMD EPYC Zen 4, paired rounds, FMA ÷ vdpbf16ps time 0.92 (S1), 0.96
             (S2), now 0.98, 1.05; against the column prefetch, processes alternating, S1/S2/G3/
             G7/G8 0.94-1.01x the time (two runs), from L2 1.00x / 0.98x (S1 / G8)."""
-            row_bytes = 2 * width
+            row_bytes = PAIR_BYTES[storage] * width
+            offset = builder.udiv(offset, ir.Constant(I64, row_scale))  # bytes into a value row
             share = builder.mul(offset, n)  # where this pass's share of the block ahead starts
             num_pairs = builder.lshr(n, ir.Constant(I64, 1))
-
-            def load_row(row):
-                return load(builder, builder.add(v_first, row), ir.VectorType(I16, width))
-
             with cgutils.for_range(builder, num_pairs) as loop:
                 token = builder.mul(loop.index, ir.Constant(I64, 2))
                 _prefetch_share(builder, pf, share, token, row_bytes, 2)
-                row0 = builder.add(builder.mul(v_step, token), offset)
-                row1 = builder.add(row0, v_step)
-                accumulate(_interleave(builder, load_row(row0), load_row(row1), width),
+                row0 = builder.add(v_first, builder.add(builder.mul(v_step, token), offset))
+                accumulate(_row_pairs(builder, storage, row0, builder.add(row0, v_step), width),
                            builder.add(first_pair, loop.index))
             odd = builder.icmp_unsigned("!=", builder.and_(n, ir.Constant(I64, 1)), ir.Constant(I64, 0))
             with builder.if_then(odd):  # the last token alone: its partner row may be stale bytes
                 last = builder.sub(n, ir.Constant(I64, 1))
                 _prefetch_share(builder, pf, share, last, row_bytes, 1)
-                row0 = builder.add(builder.mul(v_step, last), offset)
-                zeros = ir.Constant(ir.VectorType(I16, width), [0] * width)
-                accumulate(_interleave(builder, load_row(row0), zeros, width),
+                row0 = builder.add(v_first, builder.add(builder.mul(v_step, last), offset))
+                accumulate(_row_pairs(builder, storage, row0, None, width),
                            builder.add(first_pair, num_pairs))
 
         def values(offset, width):
@@ -160,7 +172,7 @@ def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
         with builder.if_else(in_order) as (short_rows, long_rows):
             with short_rows:
                 _values_in_order(builder, dims, n, builder.lshr(n, ir.Constant(I64, 1)), v_first,
-                                 v_step, p_first, acc_first, pf)
+                                 v_step, p_first, acc_first, pf, storage)
             with long_rows:
                 over_head_dim(builder, dims, values)
 
@@ -201,8 +213,8 @@ def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
 
     tile.__doc__ = ("acc[r] += sum over t < num_tokens of p[r, t] * v[t] for ``rows`` (1-4) rows: "
                     + (f"{storage} value rows (head_dim a multiple of 16) and float32 probabilities, "
-                       "one per token." if storage != PAIRED else
-                       "bfloat16 value rows (head_dim a multiple of 16), float32 accumulators (each "
+                       "one per token." if storage in ELEMENT_BYTES else
+                       f"{storage} value rows (head_dim a multiple of 16), float32 accumulators (each "
                        "row's dimensions in the order of value_dim), probabilities packed as "
                        "bfloat16 pairs.")
                     + " The same rows of the blocks at pf_base and again_base are prefetched (0: none, "
@@ -210,10 +222,10 @@ def _make_pv_tile(*, storage=PAIRED, chunk_rows=None):
     return tile
 
 
-def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf):
-    """acc += p @ v for one accumulator row, value rows in memory order (all chunks of a row pair,
-    then the next pair), the accumulator row in ROW_REGISTERS registers (head_dim <= 256); pf:
-    the addresses of the blocks to prefetch."""
+def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_first, pf, storage):
+    """acc += p @ v for one accumulator row, value rows (of a vdpbf16ps ``storage``) in memory
+    order (all chunks of a row pair, then the next pair), the accumulator row in ROW_REGISTERS
+    registers (head_dim <= 256); pf: the addresses of the blocks to prefetch."""
     sums = zero_accumulators(builder, ROW_REGISTERS)  # allocas with constant indices: registers
     full = builder.lshr(dims, ir.Constant(I64, 5))
     tail = builder.icmp_unsigned("!=", builder.and_(dims, ir.Constant(I64, LANES)), ir.Constant(I64, 0))
@@ -246,16 +258,15 @@ def _values_in_order(builder, dims, n, num_pairs, v_first, v_step, p_first, acc_
         probs = broadcast_pair(builder, builder.add(p_first, builder.mul(pair, ir.Constant(I64, 4))))
 
         def chunk(c, width):
-            offset = ir.Constant(I64, c * PAIRS * 2)
+            offset = ir.Constant(I64, c * PAIRS * PAIR_BYTES[storage])
             rows = []
             for row in (row0, row1):
                 if row is None:  # the odd last token alone: its partner row may be stale bytes
-                    rows.append(ir.Constant(ir.VectorType(I16, width), [0] * width))
+                    rows.append(None)
                     continue
                 prefetch_each(builder, pf, builder.add(row, offset))
-                rows.append(load(builder, builder.add(v_first, builder.add(row, offset)),
-                                  ir.VectorType(I16, width)))
-            for h, pairs in enumerate(_interleave(builder, rows[0], rows[1], width)):
+                rows.append(builder.add(v_first, builder.add(row, offset)))
+            for h, pairs in enumerate(_row_pairs(builder, storage, *rows, width)):
                 s = sums[2 * c + h]
                 builder.store(dot_pairs(builder, builder.load(s), pairs, probs), s)
 
@@ -367,7 +378,7 @@ def _values_f32(builder, rows, acc_first, acc_step, v_first, v_step, p_first, p_
 
 
 # Why each storage has its tiles: kernels/_score_tiles.py, SCORE_TILES.
-VALUE_TILES = {storage: _make_pv_tile(storage=storage) for storage in (PAIRED, *ELEMENT_BYTES)}
+VALUE_TILES = {storage: _make_pv_tile(storage=storage) for storage in (*PAIR_BYTES, *ELEMENT_BYTES)}
 # Prefill's vdpbf16ps value tile of 8 accumulator rows (AVX-512: 16 accumulators) over all of a
 # chunk's pages in one call, for the query rows of a prefill item (16 tokens x a GQA group, 32
 # for MHA). 8 rows, not two tiles of 4: each token pair's value rows are loaded and interleaved
@@ -378,4 +389,4 @@ VALUE_TILES = {storage: _make_pv_tile(storage=storage) for storage in (PAIRED, *
 # L1 the 8-row tile over one 16-token block ran at 2.8 G vdpbf16ps per second, over one of 64
 # tokens at 3.4 (Zen 4, head_dim 64-128); bfloat16 chunked prefill, processes alternating,
 # against a tile per page: S1 0.905x the time, S3 0.896, G3 0.887, G8 0.931.
-EIGHT_ROWS_CHUNK = _make_pv_tile(chunk_rows=8)
+EIGHT_ROWS_CHUNK = {storage: _make_pv_tile(storage=storage, chunk_rows=8) for storage in PAIR_BYTES}

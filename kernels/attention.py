@@ -47,7 +47,7 @@ from numba import get_num_threads, njit, prange
 
 from pagekv.kernels import _warm, slots
 from pagekv.kernels._math import JIT
-from pagekv.kernels._tile_ir import PAIR_ORDER, PAIRED
+from pagekv.kernels._tile_ir import PAIR_BYTES, PAIR_ORDER
 from pagekv.kernels._tile_rows import pack_pairs
 from pagekv.kernels.online_softmax import (dot_scratch, finish_row, softmax_to_bf16, softmax_update,
                                            start_decode_item, start_prefill_item, thread_scratch)
@@ -132,7 +132,7 @@ def _decode_kernel(kind):
     float32 cache never needs the bfloat16 kernel. Memory-bound speed was unchanged (S1/S2/S3,
     paired rounds: 0.99-1.02x the time).
     """
-    fma = kind != PAIRED  # FMA tiles: the queries are scaled float32, the probabilities float32
+    fma = kind not in PAIR_BYTES  # FMA tiles: the queries are scaled float32, the probabilities float32
     pair_kind = kind == "bfloat16" and PAIR_ORDER  # the tiles' rows in pair order (AVX2)
 
     @njit(parallel=True, **JIT)
@@ -283,7 +283,7 @@ def _prefill_kernel(kind):
     """The kernel of :func:`prefill` for one storage, as :func:`_decode_kernel` is for decode: a
     cold compile of prefill took 21-22 s per storage with both kinds of tiles in one kernel,
     12-15 s since; its speed was unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
-    fma = kind != PAIRED
+    fma = kind not in PAIR_BYTES
     pair_kind = kind == "bfloat16" and PAIR_ORDER
 
     @njit(parallel=True, **JIT)

@@ -20,7 +20,7 @@ from pagekv.kernels._dtypes import (FORMAT_BFLOAT16, FORMAT_FLOAT8_E4M3FN, FORMA
 from pagekv.kernels._key_lanes import KEY_LANE_TILES, KEYS, MAX_HEAD_DIM
 from pagekv.kernels._math import JIT
 from pagekv.kernels._score_tiles import EIGHT_KEYS, SCORE_TILES
-from pagekv.kernels._tile_ir import ACCUMULATORS, LANES, MAX_ROWS, PAIRED
+from pagekv.kernels._tile_ir import ACCUMULATORS, LANES, MAX_ROWS, PAIR_BYTES, PAIRED, PAIRED_FLOAT8
 from pagekv.kernels._value_tiles import EIGHT_ROWS_CHUNK, VALUE_TILES
 from pagekv.kernels.prefetch import block_address, prefetch_rows as _prefetch_rows
 
@@ -209,9 +209,10 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
     jit = njit(inline="always" if inline else "never", **JIT)
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
     key_lanes = many_rows and ACCUMULATORS >= 16  # 16 accumulators: AVX-512
-    eights = key_lanes and kind == PAIRED
-    eight_keys = EIGHT_KEYS if eights else four_keys  # (neither is called unless eights)
-    pairs = kind == PAIRED  # probabilities packed two tokens to a word
+    eights = key_lanes and kind in PAIR_BYTES
+    eight_keys = EIGHT_KEYS[kind] if eights else four_keys  # (neither is called unless eights)
+    eight_rows_chunk = EIGHT_ROWS_CHUNK[kind if eights else PAIRED]  # (called only if eights)
+    pairs = kind in PAIR_BYTES  # probabilities packed two tokens to a word
 
     @jit
     def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
@@ -306,7 +307,7 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
         r = r0
         if eights:
             while r + 8 <= r0 + num_rows:
-                EIGHT_ROWS_CHUNK(8, acc.ctypes.data + r * a_row, a_row, blocks.ctypes.data,
+                eight_rows_chunk(8, acc.ctypes.data + r * a_row, a_row, blocks.ctypes.data,
                                  aheads.ctypes.data if r == r0 else 0, num_blocks, page_size,
                                  last_tokens, v_row, probs.ctypes.data + r * p_row, p_row, head_dim)
                 r += 8
@@ -321,24 +322,28 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
 # The kernel kinds: the FMA tiles of each storage (kernels/_dtypes.py), and the vdpbf16ps tiles.
 STORAGE = {FORMAT_FLOAT32: "float32", FORMAT_FLOAT16: "float16", FORMAT_BFLOAT16: "bfloat16",
            FORMAT_FLOAT8_E4M3FN: "float8_e4m3fn"}
-KINDS = (*STORAGE.values(), PAIRED)
+KINDS = (*STORAGE.values(), *PAIR_BYTES)
 _TILED = {kind: tiled_page_loops(kind) for kind in KINDS}
 # Prefill's vdpbf16ps kernel calls its tile loops as functions: inlined into a kernel of its own
 # (kernels/attention.py, _prefill_kernel) they ran 5-13% slower (8/2x64, 32/8x128, 16/16x64, 12
 # process pairs), called they run as fast as they did inlined into the old kernel that held both
 # kinds (0.99-1.01), and compile 2 s faster. Decode keeps them inlined: called, it was 6-16%
 # slower from cache. The FMA kinds' prefill loops stay inlined (their key-lane tiles are called).
-_PREFILL_TILED = {kind: tiled_page_loops(kind, inline=kind != PAIRED, many_rows=True) for kind in KINDS}
+_PREFILL_TILED = {kind: tiled_page_loops(kind, inline=kind not in PAIR_BYTES, many_rows=True)
+                  for kind in KINDS}
 
 
 def kernel_kind(k_cache, kv_format, dot_products):
-    """The kind of kernel that serves these pages: the vdpbf16ps tiles (``PAIRED``) for
-    bfloat16 pages when ``dot_products`` allows and the shape takes them (head_dim a multiple of
-    16, an even page size, so every page starts on a packed probability pair); otherwise the
-    storage's own FMA tiles (Numba's loops where head_dim is not a multiple of 16)."""
-    if (dot_products and kv_format == FORMAT_BFLOAT16 and k_cache.shape[3] % LANES == 0
-            and k_cache.shape[2] % 2 == 0):
-        return PAIRED
+    """The kind of kernel that serves these pages: the vdpbf16ps tiles for bfloat16 pages
+    (``PAIRED``) and float8 pages (``PAIRED_FLOAT8``) when ``dot_products`` allows and the
+    shape takes them (head_dim a multiple of 16, an even page size, so every page starts on a
+    packed probability pair); otherwise the storage's own FMA tiles (Numba's loops where
+    head_dim is not a multiple of 16)."""
+    if dot_products and k_cache.shape[3] % LANES == 0 and k_cache.shape[2] % 2 == 0:
+        if kv_format == FORMAT_BFLOAT16:
+            return PAIRED
+        if kv_format == FORMAT_FLOAT8_E4M3FN:
+            return PAIRED_FLOAT8
     return STORAGE[kv_format]
 
 def _by_storage(loops):

@@ -13,8 +13,8 @@ STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
 # Tolerance on max|out - ref| / max|ref| by output (query) dtype: float32 accumulates in float32,
 # the 16-bit kinds round the output once.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
-# bfloat16 caches on the fast_bf16 path also round the probabilities to bfloat16 (and the query,
-# which the tests round in the reference too), whatever the query dtype.
+# bfloat16 and float8 caches on the fast_bf16 path also round the probabilities to bfloat16 (and
+# the query, which the tests round in the reference too), whatever the query dtype.
 FAST_BF16_TOLERANCE = 5e-3  # measured: <= 2.1e-3 over 400 Hypothesis problems (float32 out)
 
 
@@ -23,7 +23,8 @@ def takes_fast_bf16(kind, head_dim, page_size, fast_bf16=True, products=None):
     only with bfloat16 products, ``products`` (by default ``attention.BF16_PRODUCTS``: whether
     this CPU has them)."""
     products = attention.BF16_PRODUCTS if products is None else products
-    return fast_bf16 and products and kind == "bfloat16" and head_dim % 16 == 0 and page_size % 2 == 0
+    return (fast_bf16 and products and kind in ("bfloat16", "float8_e4m3fn") and head_dim % 16 == 0
+            and page_size % 2 == 0)
 
 
 def bf16_products(enabled):

@@ -54,7 +54,7 @@ def test_every_process_computes_the_same_cache_keys_for_the_kernels(tmp_path):
     an empty folder: from the checkout, ``-c`` would import the source folder, not the install.)"""
     keys = [subprocess.run([sys.executable, "-c", _CLOSURE_KEYS], capture_output=True, text=True,
                            check=True, cwd=tmp_path).stdout for _ in range(2)]
-    assert keys[0] == keys[1] and keys[0].count("\n") == 10  # 5 kinds of kernel, decode and prefill
+    assert keys[0] == keys[1] and keys[0].count("\n") == 12  # 6 kinds of kernel, decode and prefill
 
 
 _WHERE_NUMBA_CACHES = """

@@ -24,7 +24,9 @@ from pagekv.kernels._value_tiles import EIGHT_ROWS_CHUNK, VALUE_TILES
 ROWS = (4, 3, 2, 1)  # query rows (accumulator rows) of the tiles the page loops take
 
 
-PAIRED = tile_ir.PAIRED
+PAIRED, PAIRED_FLOAT8 = tile_ir.PAIRED, tile_ir.PAIRED_FLOAT8
+# The vdpbf16ps storages, and the dtype of the rows each multiplies (bfloat16 queries for both).
+PAIRED_ROWS = {PAIRED: "bfloat16", PAIRED_FLOAT8: "float8_e4m3fn"}
 
 
 def _scores_harness(tokens, storage):
@@ -32,7 +34,7 @@ def _scores_harness(tokens, storage):
     on its first call, so it takes whatever code generation the tiles choose at that moment.
     16-bit keys are passed as their bits (uint16): the tile reads them through their address."""
     four_keys, one_key = SCORE_TILES[storage]
-    tile = {8: EIGHT_KEYS, 4: four_keys, 1: one_key}[tokens]
+    tile = {8: EIGHT_KEYS.get(storage), 4: four_keys, 1: one_key}[tokens]
 
     @njit
     def run(q, k, scale, out, pf):
@@ -43,7 +45,7 @@ def _scores_harness(tokens, storage):
 
 def _values_harness(storage):
     """Runs one value tile for value rows of ``storage``, compiled on first call: float32
-    probabilities, or packed pairs of them for bfloat16 rows."""
+    probabilities, or packed pairs of them for the vdpbf16ps storages."""
     tile = VALUE_TILES[storage]
 
     @njit
@@ -65,8 +67,20 @@ def _key_lanes_harness(storage):
     return run
 
 
+def _chunk_values_harness(storage):
+    """Runs prefill's 8-row value tile over a chunk of blocks (EIGHT_ROWS_CHUNK) of ``storage``,
+    compiled on first call."""
+    tile = EIGHT_ROWS_CHUNK[storage]
+
+    @njit
+    def run(acc, blocks, aheads, block_tokens, last_tokens, v_row, packed, head_dim):
+        tile(8, acc.ctypes.data, acc.strides[0], blocks.ctypes.data, aheads, blocks.shape[0],
+             block_tokens, last_tokens, v_row, packed.ctypes.data, packed.strides[0], head_dim)
+    return run
+
+
 _scores, _values = functools.cache(_scores_harness), functools.cache(_values_harness)
-_key_lanes = functools.cache(_key_lanes_harness)
+_key_lanes, _chunk_values = functools.cache(_key_lanes_harness), functools.cache(_chunk_values_harness)
 
 
 @njit
@@ -98,13 +112,15 @@ def _nan_padded_rows(rng, num_rows, filled, head_dim, storage="bfloat16"):
 
 @given(st.sampled_from(ROWS), st.sampled_from([8, 4, 1]),
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
-       st.integers(0, 2**16), st.booleans())
-def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch):
+       st.integers(0, 2**16), st.booleans(), st.sampled_from(list(PAIRED_ROWS)))
+def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, prefetch, storage):
+    """bfloat16 queries against bfloat16 or float8 key rows (turned into bfloat16 as they are
+    loaded), followed by NaN: any read past a row, and any wrong lane, shows."""
     rng = np.random.default_rng(seed)
     q = _bf16(rng, (rows, head_dim))
-    k, k64 = _nan_padded_rows(rng, tokens, tokens, head_dim)
+    k, k64 = _nan_padded_rows(rng, tokens, tokens, head_dim, PAIRED_ROWS[storage])
     out = np.full((rows, 12), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
-    _scores(tokens, PAIRED)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
+    _scores(tokens, storage)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = widen(q, "bfloat16") @ k64.T * np.float64(np.float32(scale))
     np.testing.assert_allclose(out[:, :tokens], expected, rtol=1e-5, atol=1e-5 * head_dim)
     assert np.isnan(out[:, tokens:]).all()
@@ -113,15 +129,16 @@ def test_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, pref
 @given(st.sampled_from([1, 2, 3, 8, 15, 16, 17, 24, 31, 32, 33, 64, 97]),
        st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128, 256]), st.floats(0.01, 2.0),
        st.integers(0, 2**16), st.booleans(),
-       st.sampled_from([PAIRED, "float32", "float16", "bfloat16", "float8_e4m3fn"]))
+       st.sampled_from([PAIRED, PAIRED_FLOAT8, "float32", "float16", "bfloat16", "float8_e4m3fn"]))
 def test_key_lane_tiles_match_float64(rows, head_dim, scale, seed, prefetch, storage):
     """The key-lane tiles (kernels/_key_lanes.py) on rows in tiles of 16 and a rest of 8, 4, 2 and
-    1, every head_dim chunk count with and without a last 16 dims: bfloat16 queries and keys by
-    vdpbf16ps, or float32 queries and keys of each FMA storage. Query and key rows are followed
-    by NaN, so a read past head_dim shows."""
+    1, every head_dim chunk count with and without a last 16 dims: bfloat16 queries and bfloat16
+    or float8 keys by vdpbf16ps, or float32 queries and keys of each FMA storage. Query and key
+    rows are followed by NaN, so a read past head_dim shows."""
     rng = np.random.default_rng(seed)
-    q, q64 = _nan_padded_rows(rng, rows, rows, head_dim, "bfloat16" if storage == PAIRED else "float32")
-    k, k64 = _nan_padded_rows(rng, 16, 16, head_dim, "bfloat16" if storage == PAIRED else storage)
+    paired = storage in PAIRED_ROWS
+    q, q64 = _nan_padded_rows(rng, rows, rows, head_dim, "bfloat16" if paired else "float32")
+    k, k64 = _nan_padded_rows(rng, 16, 16, head_dim, PAIRED_ROWS.get(storage, storage))
     out = np.full((rows, 20), np.nan, np.float32)  # wider than the tile: columns past it stay NaN
     _key_lanes(storage)(q, k, np.float32(scale), out, k.ctypes.data if prefetch else 0)
     expected = q64 @ k64.T * np.float64(np.float32(scale))
@@ -180,13 +197,14 @@ def test_fma_query_key_tiles_match_float64(rows, tokens, head_dim, scale, seed, 
 
 @given(st.sampled_from(ROWS), st.sampled_from([16, 48, 64, 80, 128, 256, 272, 288]),
        st.integers(1, 16),
-       st.integers(0, 2**16))
-def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed):
-    """acc += p @ v over num_tokens rows of a 16-row page whose other rows (and the gaps after
-    each row) hold NaN; an odd last token is taken alone (its partner row is never multiplied,
-    even by a zero). head_dim past 256 takes the one-row tile's other walk (chunks outer)."""
+       st.integers(0, 2**16), st.sampled_from(list(PAIRED_ROWS)))
+def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_tokens, seed, storage):
+    """acc += p @ v over num_tokens bfloat16 or float8 rows of a 16-row page whose other rows (and
+    the gaps after each row) hold NaN; an odd last token is taken alone (its partner row is never
+    multiplied, even by a zero). head_dim past 256 takes the one-row tile's other walk (chunks
+    outer)."""
     rng = np.random.default_rng(seed)
-    v, v64 = _nan_padded_rows(rng, 16, num_tokens, head_dim)
+    v, v64 = _nan_padded_rows(rng, 16, num_tokens, head_dim, PAIRED_ROWS[storage])
     p = rng.random((rows, 16)).astype(np.float32)
     packed = np.zeros((rows, 9), np.uint32)
     _pack(p, num_tokens, packed)
@@ -195,20 +213,14 @@ def test_value_tiles_match_float64_and_skip_stale_rows(rows, head_dim, num_token
     expected = acc + rounded @ v64[:num_tokens]
     order = _value_order(head_dim)  # the tile keeps dimension order[j] at position j
     tile_acc = acc[:, order].copy()
-    _values(PAIRED)(tile_acc, v, packed, num_tokens, v.ctypes.data)
+    _values(storage)(tile_acc, v, packed, num_tokens, v.ctypes.data)
     np.testing.assert_allclose(tile_acc, expected[:, order], rtol=1e-5, atol=1e-5)
 
 
-@njit
-def _chunk_values(acc, blocks, aheads, block_tokens, last_tokens, v_row, packed, head_dim):
-    EIGHT_ROWS_CHUNK(8, acc.ctypes.data, acc.strides[0], blocks.ctypes.data, aheads, blocks.shape[0],
-                     block_tokens, last_tokens, v_row, packed.ctypes.data, packed.strides[0], head_dim)
-
-
 @given(st.sampled_from([16, 48, 80, 128, 256]), st.integers(1, 5), st.sampled_from([2, 16, 18]),
-       st.data(), st.integers(0, 2**16), st.booleans())
+       st.data(), st.integers(0, 2**16), st.booleans(), st.sampled_from(list(PAIRED_ROWS)))
 def test_chunk_value_tile_matches_float64_over_scattered_blocks(head_dim, num_blocks, block_tokens,
-                                                                data, seed, prefetch):
+                                                                data, seed, prefetch, storage):
     """Prefill's 8-row value tile over a chunk of blocks (EIGHT_ROWS_CHUNK), each a separate array
     (scattered in memory), block_tokens rows each but the last (1 .. block_tokens, odd or even);
     rows past each block's tokens and the gaps after each row NaN; the probabilities one packed
@@ -216,7 +228,7 @@ def test_chunk_value_tile_matches_float64_over_scattered_blocks(head_dim, num_bl
     rng = np.random.default_rng(seed)
     last_tokens = data.draw(st.integers(1, block_tokens))
     counts = [block_tokens] * (num_blocks - 1) + [last_tokens]
-    pages = [_nan_padded_rows(rng, block_tokens, n, head_dim) for n in counts]
+    pages = [_nan_padded_rows(rng, block_tokens, n, head_dim, PAIRED_ROWS[storage]) for n in counts]
     blocks = np.array([bits.ctypes.data for bits, _ in pages], np.int64)
     values64 = np.concatenate([values[:n] for (_, values), n in zip(pages, counts)])
     num_cols = sum(counts)
@@ -228,8 +240,8 @@ def test_chunk_value_tile_matches_float64_over_scattered_blocks(head_dim, num_bl
     positions = _value_order(head_dim)
     tile_acc = acc[:, positions].copy()
     aheads = blocks[::-1].copy()  # other blocks of the chunk: prefetching never changes a result
-    _chunk_values(tile_acc, blocks, aheads.ctypes.data if prefetch else 0, block_tokens, last_tokens,
-                  pages[0][0].strides[0], packed, head_dim)
+    _chunk_values(storage)(tile_acc, blocks, aheads.ctypes.data if prefetch else 0, block_tokens,
+                           last_tokens, pages[0][0].strides[0], packed, head_dim)
     np.testing.assert_allclose(tile_acc, expected[:, positions], rtol=1e-5, atol=1e-5)
 
 
@@ -303,6 +315,61 @@ def test_portable_code_gives_the_instructions_results(monkeypatch):
         results.append((outs[8], outs[4], key_lanes, acc))
     for native, portable in zip(*results):
         np.testing.assert_array_equal(native, portable)
+
+
+def _e4m3_words_harness(width, picks):
+    """Runs e4m3_words on the 64 // width rows of ``width`` bytes at the start of a byte run,
+    storing the vectors ``picks`` asks for one after another; compiled on first call, so it
+    takes the conversion chosen at that moment."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def words_of(typingctx, source, destination):
+        def codegen(context, builder, signature, args):
+            rows = [builder.add(args[0], ir.Constant(tile_ir.I64, i * width)) for i in range(64 // width)]
+            for i, words in enumerate(tile_ir.e4m3_words(builder, rows, width, picks)):
+                address = builder.add(args[1], ir.Constant(tile_ir.I64, 64 * i))
+                builder.store(words, builder.inttoptr(address, words.type.as_pointer()), align=1)
+            return context.get_dummy_value()
+        return types.void(types.intp, types.intp), codegen
+
+    @njit
+    def run(source, out):
+        words_of(source.ctypes.data, out.ctypes.data)
+    return run
+
+
+@pytest.mark.parametrize("vbmi", [True, False])
+@pytest.mark.parametrize("width", [32, 16])
+def test_float8_to_bfloat16_is_exact_for_every_byte(monkeypatch, vbmi, width):
+    """Every E4M3 byte (subnormals, zeros, the largest, NaN) becomes the bfloat16 of its value,
+    by the table lookups (AVX512-VBMI; only where the CPU has it) and by the portable form; the
+    picks put each row's words where asked, and None picks give zero words."""
+    if vbmi and not tile_ir.HAS_AVX512_VBMI:
+        pytest.skip("this CPU has no AVX512-VBMI")
+    monkeypatch.setattr(tile_ir, "HAS_AVX512_VBMI", vbmi)
+    from pagekv.reference import float8
+
+    rows = 64 // width
+    picks = [[i * width + d if d < width else None for d in range(32)] for i in range(rows)]
+    picks.append(list(range(63, 31, -1)))  # the second half of the run, backwards
+    run_words = _e4m3_words_harness(width, picks)
+    for start in range(0, 256, 64):
+        run = np.arange(start, start + 64, dtype=np.uint8)
+        out = np.zeros((len(picks), 32), np.uint16)
+        run_words(run, out)
+        values = float8.decode(run)
+        expected = to_storage(values, "bfloat16")  # exact: E4M3 numbers are bfloat16 numbers
+        for words, pick in zip(out, picks):
+            got = widen(words, "bfloat16")
+            want = np.array([values[p] if p is not None else 0.0 for p in pick])
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            finite = ~np.isnan(want)
+            np.testing.assert_array_equal(got[finite], want[finite])
+            want_bits = np.array([expected[p] if p is not None else 0 for p in pick], np.uint16)
+            np.testing.assert_array_equal(words[finite], want_bits[finite])  # -0 too
 
 
 def test_fast_bf16_must_be_a_bool():
@@ -417,6 +484,11 @@ def test_fma_tiles_match_float64_with_either_register_budget(monkeypatch, accumu
     ("bfloat16", 17, 128, True, "bfloat16"),   # odd page size: no packed pairs
     ("bfloat16", 16, 72, True, "bfloat16"),    # head_dim not a multiple of 16 (Numba's loops)
     ("bfloat16", 16, 128, False, "bfloat16"),  # no bfloat16 products, or fast_bf16=False
+    ("float8_e4m3fn", 16, 128, True, PAIRED_FLOAT8),
+    ("float8_e4m3fn", 2, 80, True, PAIRED_FLOAT8),
+    ("float8_e4m3fn", 17, 128, True, "float8_e4m3fn"),
+    ("float8_e4m3fn", 16, 72, True, "float8_e4m3fn"),
+    ("float8_e4m3fn", 16, 128, False, "float8_e4m3fn"),
     ("float16", 16, 128, True, "float16"),
     ("float32", 16, 128, True, "float32"),
 ])
@@ -425,7 +497,7 @@ def test_kernel_kind_takes_the_paired_tiles_only_where_they_apply(kind, page_siz
     from pagekv import _arrays
     from pagekv.kernels.page_loops import kernel_kind
 
-    cache = np.zeros((1, 1, page_size, head_dim), np.float32 if kind == "float32" else np.uint16)
+    cache = np.zeros((1, 1, page_size, head_dim), {"float32": np.float32, "float8_e4m3fn": np.uint8}.get(kind, np.uint16))
     assert kernel_kind(cache, _arrays.KV_FORMAT[kind], products) == expected
 
 
