@@ -1,10 +1,11 @@
 """Value tiles: 1-4 accumulator rows += the probabilities of a page block's tokens x its value rows.
 
 ``VALUE_TILES[storage]`` is one Numba intrinsic per storage (kernels/_tile_ir.py). The vdpbf16ps
-tile (``PAIRED``) takes two tokens per instruction: the rows of tokens t and t + 1 are interleaved
-so each bfloat16 pair is (v[t, d], v[t + 1, d]) (by in-lane unpacks, so an accumulator row holds
+tiles (``PAIRED``, and ``PAIRED_FLOAT8`` for float8 rows) take two tokens per instruction: the rows
+of tokens t and t + 1 are interleaved so each bfloat16 pair is (v[t, d], v[t + 1, d]) (by in-lane
+unpacks, or for float8 rows the byte permutes that form the words, so an accumulator row holds
 the dimensions in the order kernels/_tile_rows.py's ``value_dim`` gives), and the probabilities
-arrive packed as (p[t], p[t + 1]) pairs. The FMA tiles take float32, float16 or bfloat16 value rows
+arrive packed as (p[t], p[t + 1]) pairs. The FMA tiles take float32, float16, bfloat16 or float8 value rows
 (widened as they are loaded) and float32 probabilities, and keep chunks of 16 floats of every
 row in registers across a page's tokens (Numba's loop loaded and stored the accumulators every 4
 tokens). While they read their value rows, the tiles prefetch two blocks ahead

@@ -22,17 +22,18 @@ How the work is shaped:
   visit order is prefetched into L2, a few lines per token row (kernels/prefetch.py says why: it
   took S1 decode from ~50% to ~80% of the streaming-read bandwidth); decode's tiles ask again for
   a nearer block, as the CPU drops some prefetches (S1/S2 bfloat16 then read ~85%).
-- bfloat16 pages (head_dim a multiple of 16, even page size) multiply in bfloat16 with
-  ``vdpbf16ps`` tiles (kernels/_tile_ir.py) where the CPU has them and ``fast_bf16`` allows:
+- bfloat16 and float8 pages (head_dim a multiple of 16, even page size) multiply in bfloat16
+  with ``vdpbf16ps`` tiles (kernels/_tile_ir.py; float8 rows turned into bfloat16 by table
+  lookups as they are loaded) where the CPU has them and ``fast_bf16`` allows:
   the queries and the probabilities are rounded to bfloat16 once, the sums stay float32. In
   float32 math the bfloat16 loops were bound by the CPU's multiply-adds below the memory roof;
   the tiles made S1 decode ~1.6x faster from cache. Prefill over float32 pages (head_dim a
   multiple of 16) computes scores and values by float32 FMA tiles of the same shapes: 1.4-1.7x
   faster there than Numba's loops; decode too (see :func:`decode`). Prefill items of 32 query
   rows or more score 16 keys at a time with the keys along the lanes (kernels/_key_lanes.py),
-  and take a chunk's value blocks in one tile per 8 rows (vdpbf16ps). float16 and float8 pages,
-  and bfloat16 pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened as it is
-  loaded
+  and take a chunk's value blocks in one tile per 8 rows (vdpbf16ps). float16 pages, and
+  bfloat16 and float8 pages not taking ``vdpbf16ps``, take the same FMA tiles, each row widened
+  as it is loaded
   (kernels/page_loops.py: the loops over one page, and :func:`kernel_kind`, which picks). Numba's
   plain loops serve head_dim not a multiple of 16. On CPUs with AMX-BF16, bfloat16 prefill and
   decode with GQA groups of 2-16 take AMX tiles instead (kernels/amx_attention.py;
@@ -125,7 +126,7 @@ def _blocks_ahead(k_cache, v_cache, block_table, seq, p, h, num_heads, first, la
 def _decode_kernel(kind):
     """The kernel of :func:`decode` for one ``kind`` (:func:`kernel_kind`): the FMA tiles of
     one storage (float32, float16, bfloat16, float8_e4m3fn; Numba's loops where they do not
-    apply), or the vdpbf16ps tiles (``PAIRED``).
+    apply), or the vdpbf16ps tiles of bfloat16 or float8 pages (``PAIRED``, ``PAIRED_FLOAT8``).
 
     Each compiles only its own kind of tiles: a cold compile of decode took 27-31 s with the
     float32 and bfloat16 tiles in one kernel, 20-23 s per storage then (this VM, noisy), and a
@@ -239,7 +240,7 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     alibi_slopes : float32 [num_q_heads] or empty. prefetch_blocks : (int, int), how many head
     blocks ahead of the one being read (in the item's visit order, see :func:`_block_ahead`) to
     prefetch, far and again nearer (kernels/prefetch.py; 0: none). dot_products : bool, whether
-    bfloat16 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
+    bfloat16 and float8 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
     kernels/_tile_ir.py), when the shape allows.
     """
     kind = kernel_kind(k_cache, kv_format, dot_products)

@@ -3,9 +3,9 @@ keys for a block of query rows, and the probabilities times its values into thei
 
 Two forms of each. The register tiles (kernels/_score_tiles.py, kernels/_value_tiles.py, and
 for prefill's many query rows kernels/_key_lanes.py) serve head_dim a multiple of 16, in one
-of five *kinds* fixed when a kernel compiles: the FMA tiles of each storage (float32, float16,
-bfloat16, float8_e4m3fn) and the vdpbf16ps tiles (``PAIRED``) for bfloat16 pages;
-:func:`kernel_kind` picks.
+of six *kinds* fixed when a kernel compiles: the FMA tiles of each storage (float32, float16,
+bfloat16, float8_e4m3fn) and the vdpbf16ps tiles for bfloat16 pages (``PAIRED``) and float8
+pages (``PAIRED_FLOAT8``); :func:`kernel_kind` picks.
 Numba's plain loops (:func:`plain_page_scores`, :func:`plain_page_accumulate`) serve any
 head_dim. Both prefetch a block ahead as they read (kernels/prefetch.py). Prefill's values go a
 chunk of pages at a time (:func:`tiled_page_loops`' chunk_accumulate).
@@ -192,7 +192,8 @@ def _key_lane_scores(kind, num_rows, q, q_row, block, k_row, head_dim, num_token
 
 def tiled_page_loops(kind, *, inline=True, many_rows=False):
     """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32,
-    float16, bfloat16 or float8 pages (``kind``) by FMA tiles, or bfloat16 pages by vdpbf16ps tiles.
+    float16, bfloat16 or float8 pages (``kind``) by FMA tiles, or bfloat16 or float8 pages by
+    vdpbf16ps tiles.
 
     The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
     ``inline`` False compiles the loops as functions of their own, called per page, not inlined
@@ -217,11 +218,11 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
     @jit
     def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
         """:func:`plain_page_scores` by register tiles (kernels/_score_tiles.py), head_dim a
-        multiple of 16: bfloat16 pages by vdpbf16ps, or float32, float16 or float8 pages by FMAs
-        (``kind``).
+        multiple of 16 (``kind``): bfloat16 or float8 pages by vdpbf16ps, or float32, float16,
+        bfloat16 or float8 pages by FMAs.
 
-        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (bfloat16
-        pages), or float32 (the others); the scores are multiplied by ``scale``. Tiles of 4 query
+        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (vdpbf16ps),
+        or float32 (FMA); the scores are multiplied by ``scale``. Tiles of 4 query
         rows x 4 key rows (with ``many_rows``: each 16 keys for all rows at once by
         :func:`key_lane_scores` where there are KEY_LANE_ROWS rows, else 8, then 4); the rows
         left over take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at
@@ -282,9 +283,9 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
     @jit
     def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
         """:func:`plain_page_accumulate` by register tiles of 4 accumulator rows (3, 2 or 1 for
-        the rest; kernels/_value_tiles.py), head_dim a multiple of 16: bfloat16 pages by
-        vdpbf16ps, two tokens per instruction (col even), or float32, float16 or float8 pages by FMAs
-        (``kind``).
+        the rest; kernels/_value_tiles.py), head_dim a multiple of 16 (``kind``): bfloat16 or
+        float8 pages by vdpbf16ps, two tokens per instruction (col even), or float32, float16,
+        bfloat16 or float8 pages by FMAs.
 
         probs : uint32 [rows, pairs], the probabilities packed by pack_pairs
         (kernels/_tile_rows.py), or float32 [rows, cols], the probabilities themselves (the scores

@@ -59,11 +59,11 @@ PREFETCH_AGAIN_FRACTION = 8
 PREFETCH_AGAIN_MIN_BLOCK = 512
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
-# fast_bf16 multiplies in bfloat16 only where the CPU has bfloat16 products (AVX512-BF16, which
-# every CPU with AMX-BF16 has too). Elsewhere the float32 FMA tiles over rows widened as they are
+# fast_bf16 multiplies in bfloat16 (bfloat16 and float8 pages) only where the CPU has bfloat16
+# products (AVX512-BF16, which every CPU with AMX-BF16 has too). Elsewhere the float32 FMA tiles over rows widened as they are
 # loaded are exact and faster than emulated bfloat16 products (AMD EPYC Zen 3, AVX2: with the
 # tiles sized to its registers, S1 bfloat16 decode 42% -> 58% of the roof; docs/performance.md).
-# The tests set it to run the bfloat16 tiles' portable form on any CPU.
+# The tests set it to run the vdpbf16ps tiles' portable form on any CPU.
 BF16_PRODUCTS = HAS_AVX512_BF16
 
 
@@ -148,7 +148,7 @@ def _flag(value, name) -> bool:
 
 
 def _bf16_products(fast_bf16):
-    """Whether bfloat16 pages may multiply in bfloat16 (``dot_products`` of the kernels)."""
+    """Whether bfloat16 and float8 pages may multiply in bfloat16 (``dot_products`` of the kernels)."""
     return _flag(fast_bf16, "fast_bf16") and BF16_PRODUCTS
 
 
@@ -363,14 +363,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         benchmarks from ~50% to ~85% of the streaming-read bandwidth (docs/performance.md).
         Results do not depend on it.
     fast_bf16 : bool
-        bfloat16 caches with head_dim a multiple of 16 and an even page_size, on CPUs with
-        AVX512-BF16: multiply in bfloat16 (``vdpbf16ps``). The query and the softmax
+        bfloat16 and float8 caches with head_dim a multiple of 16 and an even page_size, on CPUs
+        with AVX512-BF16: multiply in bfloat16 (``vdpbf16ps``; float8 numbers are bfloat16
+        numbers, turned into them exactly as they are loaded). The query and the softmax
         probabilities are rounded to bfloat16 once — a bfloat16 query stays exact — and every sum
         is float32, as FlashAttention does on GPUs: outputs move by about one bfloat16 rounding
-        (<= 3e-3 relative, measured) and decode runs ~1.6x faster from cache (docs/performance.md).
-        ``False``: float32 products, the query and probabilities unrounded. CPUs without
-        AVX512-BF16 (AMD before Zen 4, Intel before Cooper Lake) have no bfloat16 products: there
-        bfloat16 pages always take the float32 products, the faster path on them.
+        (<= 3e-3 relative, measured) and decode runs ~1.6x faster from cache over bfloat16 pages,
+        1.6-1.9x over float8 pages (docs/performance.md). ``False``: float32 products, the query
+        and probabilities unrounded. CPUs without AVX512-BF16 (AMD before Zen 4, Intel before
+        Cooper Lake) have no bfloat16 products: there these pages always take the float32
+        products, the faster path on them.
         On CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids, Linux), GQA groups of 2-16
         query heads (4-16 with head_dim over 128), head_dim a multiple of 32 and a page size
         that is a multiple of 16 multiply by AMX tiles instead, rounding the same inputs (S1:
