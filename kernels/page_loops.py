@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from pagekv.kernels._float8_rows import SCRATCH_BYTES, widen_block
 from pagekv.kernels._dtypes import (FORMAT_BFLOAT16, FORMAT_FLOAT8_E4M3FN, FORMAT_FLOAT16,
                                     FORMAT_FLOAT32, load_f32)
 from pagekv.kernels._key_lanes import KEY_LANE_TILES, KEYS, MAX_HEAD_DIM
@@ -190,48 +191,19 @@ def _key_lane_scores(kind, num_rows, q, q_row, block, k_row, head_dim, num_token
     return impl
 
 
-def tiled_page_loops(kind, *, inline=True, many_rows=False):
-    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32,
-    float16, bfloat16 or float8 pages (``kind``) by FMA tiles, or bfloat16 or float8 pages by
-    vdpbf16ps tiles.
-
-    The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
-    ``inline`` False compiles the loops as functions of their own, called per page, not inlined
-    into the kernel. ``many_rows`` (AVX-512 only) takes the tiles made for prefill's many query
-    rows per page: every 16 keys of a page by the key-lane tiles where there are KEY_LANE_ROWS
-    rows or more (kernels/_key_lanes.py), and with vdpbf16ps tiles, 8 keys at a time for the rest
-    where a page has them (kernels/_score_tiles.py, EIGHT_KEYS) and a chunk's values into 8
-    accumulator rows at a time where there are 8 (kernels/_value_tiles.py, EIGHT_ROWS_CHUNK);
-    decode takes none of them.
-
-    Returns (page_scores, page_accumulate, chunk_accumulate): decode calls the first two, page by
-    page; prefill the first and the last, which takes a chunk's value blocks at once.
-    """
-    jit = njit(inline="always" if inline else "never", **JIT)
+def _block_loops(kind, *, key_lanes):
+    """The loops over one page block by register tiles of one kind (see :func:`tiled_page_loops`),
+    the block given by its address: (block_scores, block_accumulate)."""
     (four_keys, one_key), values = SCORE_TILES[kind], VALUE_TILES[kind]
-    key_lanes = many_rows and ACCUMULATORS >= 16  # 16 accumulators: AVX-512
     eights = key_lanes and kind in PAIR_BYTES
     eight_keys = EIGHT_KEYS[kind] if eights else four_keys  # (neither is called unless eights)
-    eight_rows_chunk = EIGHT_ROWS_CHUNK[kind if eights else PAIRED]  # (called only if eights)
     pairs = kind in PAIR_BYTES  # probabilities packed two tokens to a word
 
-    @jit
-    def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
-        """:func:`plain_page_scores` by register tiles (kernels/_score_tiles.py), head_dim a
-        multiple of 16 (``kind``): bfloat16 or float8 pages by vdpbf16ps, or float32, float16,
-        bfloat16 or float8 pages by FMAs.
-
-        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (vdpbf16ps),
-        or float32 (FMA); the scores are multiplied by ``scale``. Tiles of 4 query
-        rows x 4 key rows (with ``many_rows``: each 16 keys for all rows at once by
-        :func:`key_lane_scores` where there are KEY_LANE_ROWS rows, else 8, then 4); the rows
-        left over take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at
-        a time. Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none)
-        are prefetched by the first row tile (or the key-lane tile).
-        """
-        head_dim = kc.shape[3]
-        k_row, q_row, s_row = kc.strides[2], q.strides[0], scores.strides[0]
-        block = block_address(kc, kp, kh)
+    @njit(inline="always", **JIT)  # in page_scores
+    def block_scores(q, r0, num_rows, block, k_row, head_dim, num_tokens, scale, scores, col, ahead,
+                     again):
+        """:func:`page_scores` of the block at address ``block`` (k_row bytes between its rows)."""
+        q_row, s_row = q.strides[0], scores.strides[0]
         keyed = 0  # tokens scored by the key-lane tiles, for all rows
         if key_lanes and num_rows >= KEY_LANE_ROWS and head_dim <= MAX_HEAD_DIM:
             keyed = key_lane_scores(kind, num_rows, q.ctypes.data + r0 * q_row, q_row, block, k_row,
@@ -280,6 +252,51 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
             pf, pf_again = 0, 0
             r += rows
 
+    return block_scores, block_accumulate
+
+
+def tiled_page_loops(kind, *, inline=True, many_rows=False):
+    """The page loops over register tiles of one kind, fixed when a kernel is compiled: float32,
+    float16, bfloat16 or float8 pages (``kind``) by FMA tiles, or bfloat16 or float8 pages by
+    vdpbf16ps tiles.
+
+    The tiles are picked here, in Python, so each kernel compiles one kind of tiles, not both.
+    ``inline`` False compiles the loops as functions of their own, called per page, not inlined
+    into the kernel. ``many_rows`` (AVX-512 only) takes the tiles made for prefill's many query
+    rows per page: every 16 keys of a page by the key-lane tiles where there are KEY_LANE_ROWS
+    rows or more (kernels/_key_lanes.py), and with vdpbf16ps tiles, 8 keys at a time for the rest
+    where a page has them (kernels/_score_tiles.py, EIGHT_KEYS) and a chunk's values into 8
+    accumulator rows at a time where there are 8 (kernels/_value_tiles.py, EIGHT_ROWS_CHUNK);
+    decode takes none of them.
+
+    Returns (page_scores, page_accumulate, chunk_accumulate): decode calls the first two, page by
+    page; prefill the first and the last, which takes a chunk's value blocks at once.
+    """
+    jit = njit(inline="always" if inline else "never", **JIT)
+    key_lanes = many_rows and ACCUMULATORS >= 16  # 16 accumulators: AVX-512
+    eights = key_lanes and kind in PAIR_BYTES
+    eight_rows_chunk = EIGHT_ROWS_CHUNK[kind if eights else PAIRED]  # (called only if eights)
+    block_scores, block_accumulate = _block_loops(kind, key_lanes=key_lanes)
+    if kind == PAIRED_FLOAT8 and not many_rows:
+        return widening_page_loops(jit, block_scores, block_accumulate)
+
+    @jit
+    def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        """:func:`plain_page_scores` by register tiles (kernels/_score_tiles.py), head_dim a
+        multiple of 16 (``kind``): bfloat16 or float8 pages by vdpbf16ps, or float32, float16,
+        bfloat16 or float8 pages by FMAs.
+
+        q : uint16 [rows, head_dim], the queries rounded to bfloat16 and not scaled (vdpbf16ps),
+        or float32 (FMA); the scores are multiplied by ``scale``. Tiles of 4 query
+        rows x 4 key rows (with ``many_rows``: each 16 keys for all rows at once by
+        :func:`key_lane_scores` where there are KEY_LANE_ROWS rows, else 8, then 4); the rows
+        left over take one tile of 3, 2 or 1 rows, the page's last num_tokens % 4 keys one key at
+        a time. Each key row's lines of the blocks at addresses ``ahead`` and ``again`` (0: none)
+        are prefetched by the first row tile (or the key-lane tile).
+        """
+        block_scores(q, r0, num_rows, block_address(kc, kp, kh), kc.strides[2], kc.shape[3],
+                     num_tokens, scale, scores, col, ahead, again)
+
     @jit
     def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
         """:func:`plain_page_accumulate` by register tiles of 4 accumulator rows (3, 2 or 1 for
@@ -318,6 +335,43 @@ def tiled_page_loops(kind, *, inline=True, many_rows=False):
                              aheads[b] if r == r0 else 0, 0)
 
     return page_scores, page_accumulate, chunk_accumulate
+
+
+def widening_page_loops(jit, block_scores, block_accumulate):
+    """Decode's page loops over float8 pages by vdpbf16ps (``PAIRED_FLOAT8``; block_scores and
+    block_accumulate from :func:`_block_loops`): a GQA group of more than MAX_ROWS query heads
+    takes two row tiles per block, so its blocks are turned into bfloat16 once
+    (kernels/_float8_rows.py) and read by the bfloat16 tiles (``PAIRED``); smaller groups, and
+    blocks over SCRATCH_BYTES, take the float8 tiles, which turn each row as they load it.
+
+    Returns (page_scores, page_accumulate, None): as :func:`tiled_page_loops`, for decode."""
+    bf16_scores, bf16_accumulate = _block_loops(PAIRED, key_lanes=False)
+
+    @jit
+    def page_scores(q, r0, num_rows, kc, kp, kh, num_tokens, scale, scores, col, ahead, again):
+        """:func:`tiled_page_loops`' page_scores of float8 pages."""
+        block, head_dim = block_address(kc, kp, kh), kc.shape[3]
+        count = num_tokens * head_dim
+        if num_rows > MAX_ROWS and 2 * count <= SCRATCH_BYTES:
+            bf16_scores(q, r0, num_rows, widen_block(block, count, ahead, again), 2 * head_dim,
+                        head_dim, num_tokens, scale, scores, col, 0, 0)
+        else:
+            block_scores(q, r0, num_rows, block, kc.strides[2], head_dim, num_tokens, scale, scores,
+                         col, ahead, again)
+
+    @jit
+    def page_accumulate(probs, r0, num_rows, col, vc, vp, vh, num_tokens, acc, ahead, again):
+        """:func:`tiled_page_loops`' page_accumulate of float8 pages."""
+        block, head_dim = block_address(vc, vp, vh), vc.shape[3]
+        count = num_tokens * head_dim
+        if num_rows > MAX_ROWS and 2 * count <= SCRATCH_BYTES:
+            bf16_accumulate(probs, r0, r0 + num_rows, col, widen_block(block, count, ahead, again),
+                            2 * head_dim, num_tokens, head_dim, acc, 0, 0)
+        else:
+            block_accumulate(probs, r0, r0 + num_rows, col, block, vc.strides[2], num_tokens, head_dim,
+                             acc, ahead, again)
+
+    return page_scores, page_accumulate, None
 
 
 # The kernel kinds: the FMA tiles of each storage (kernels/_dtypes.py), and the vdpbf16ps tiles.

@@ -237,6 +237,32 @@ def test_prefill_many_row_tiles_match_reference(page_size, head_dim, group, kind
         np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("group", [1, 4, 5, 8])
+@pytest.mark.parametrize("page_size, head_dim", [(16, 128), (2, 16), (18, 80), (64, 256), (256, 128)])
+def test_float8_pages_multiply_as_bfloat16_pages_of_the_same_numbers(page_size, head_dim, group):
+    """float8 numbers are bfloat16 numbers: with bfloat16 products, attention over float8 pages
+    equals, bit for bit, attention over bfloat16 pages holding the same numbers. Decode with one
+    row tile per block (groups 1-4) turns each row as the tile loads it; groups 5-8 turn each
+    block once into a stack buffer (kernels/_float8_rows.py), except blocks over its 32 KiB (256
+    x 128); head_dim 16 and 80 end in 16-number pieces; prefill takes its many-row tiles."""
+    rng = np.random.default_rng(group * 1000 + page_size)
+    kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                 kind="float8_e4m3fn")
+    k_bf16, v_bf16 = to_storage(kv.k64, "bfloat16"), to_storage(kv.v64, "bfloat16")  # exact
+    q = rng.standard_normal((4, 2 * group, head_dim)).astype(np.float32)
+    rows = rng.standard_normal((140, 2 * group, head_dim)).astype(np.float32)
+    qo_indptr = np.array([0, 1, 10, 40, 140], np.int32)
+    plan = attention.plan_decode(kv.seq_lens, page_size=page_size)  # the same split for both
+    outs = []
+    with bf16_products(True):
+        for k, v in ((kv.k, kv.v), (k_bf16, v_bf16)):
+            outs.append((attention.paged_decode_attention(q, k, v, kv.block_table, kv.seq_lens, plan=plan),
+                         attention.paged_prefill_attention(rows, k, v, kv.block_table, kv.seq_lens,
+                                                           qo_indptr)))
+    for float8_out, bfloat16_out in zip(*outs):
+        np.testing.assert_array_equal(float8_out, bfloat16_out)
+
+
 @pytest.mark.parametrize("group", range(1, 17))
 def test_prefill_items_hold_the_rows_the_many_row_tiles_take(group):
     """A prefill item of a small GQA group takes more query tokens (MHA: 32), so that it has the
