@@ -167,8 +167,9 @@ def test_decode_more(benchmark, shape, kind):
 
 @pytest.mark.parametrize("shape", FLOAT8_SHAPES)
 def test_decode_float8(benchmark, shape):
-    """pagekv on float8 E4M3 pages: share of the roof (in float8 bytes) and time over the same
-    decode on bfloat16 pages, each in alternating rounds."""
+    """pagekv on float8 E4M3 pages: share of the roof (in float8 bytes), time over the same
+    decode on bfloat16 pages, and the FMA tiles' time (``fast_bf16=False``) over the default
+    vdpbf16ps tiles' on the same pages, each in alternating rounds."""
     p = problem(shape, "float8_e4m3fn")
     run = pagekv_decode(p)
     benchmark.group = f"decode {shape} float8_e4m3fn"
@@ -180,8 +181,12 @@ def test_decode_float8(benchmark, shape):
         bfloat16()
         float8_seconds, bfloat16_seconds = paired_times(run, bfloat16, PAIRED_ROUNDS,
                                                         before_each=evict_llc)
+        fma = pagekv_decode(p, fast_bf16=False)
+        fma()
+        fma_seconds, default_seconds = paired_times(fma, run, PAIRED_ROUNDS, before_each=evict_llc)
         benchmark.extra_info.update(share_of_roof=share, paired_roof_gbs=roof_gbs,
-                                    time_over_bfloat16=float(np.median(float8_seconds / bfloat16_seconds)))
+                                    time_over_bfloat16=float(np.median(float8_seconds / bfloat16_seconds)),
+                                    fma_over_default=float(np.median(fma_seconds / default_seconds)))
     _time_decode(benchmark, run)
 
 

@@ -38,11 +38,13 @@ def test_a_missing_paging_floor_leaves_its_cell_empty():
     assert _cells(_cases())[5:7] == ["1.25", "—"]
 
 
-def test_float8_rows_show_their_bytes_share_and_time_over_bfloat16():
+def test_float8_rows_show_their_bytes_share_and_times_over_bfloat16_and_the_fma_tiles():
     record = {"stats": {"median": 0.05, "min": 0.04},
               "extra_info": dict(kind="float8 decode", shape="S2", dtype="float8_e4m3fn", impl="pagekv",
                                  kv_bytes=1e9, share_of_roof=0.6, paired_roof_gbs=33.3,
                                  time_over_bfloat16=1.16)}
-    assert float8_table([record]).splitlines()[-1] == "| S2 | 20.0 | 60% | 33.3 | 1.16 |"
+    assert float8_table([record]).splitlines()[-1] == "| S2 | 20.0 | 60% | 33.3 | 1.16 | — |"
+    record["extra_info"]["fma_over_default"] = 1.734
+    assert float8_table([record]).splitlines()[-1] == "| S2 | 20.0 | 60% | 33.3 | 1.16 | 1.73 |"
     assert float8_table(_cases()) == ""  # no float8 cases: no table
     assert all("float8" not in line for line in attention_tables(_cases() + [record]).splitlines())
