@@ -4,7 +4,9 @@ The vdpbf16ps tiles over float8 pages (``PAIRED_FLOAT8``) turn each row into bfl
 it (kernels/_tile_ir.py, e4m3_words): free of extra traffic when one tile of up to 4 query rows
 reads a block, but a group of 5-8 query heads takes two tiles per block, and each converted every
 row again. :func:`widen_block` converts the block once into a stack buffer; the bfloat16 tiles
-(``PAIRED``) then read it from L1 (kernels/page_loops.py, widening_page_loops).
+(``PAIRED``) then read it from L1 (kernels/page_loops.py, widening_page_loops). Prefill's chunk
+value tile takes 8 of an item's 32-128 query rows at a time: its value blocks are turned into a
+per-thread buffer once per chunk (:func:`widen_into`; kernels/attention.py, _prefill_kernel).
 """
 
 from llvmlite import ir  # type: ignore[import-untyped]
@@ -66,6 +68,14 @@ def _widen_rows(typingctx, source, count, destination, pf_base, again_base):
         return context.get_dummy_value()
 
     return types.void(source, count, destination, pf_base, again_base), codegen
+
+
+@njit(inline="always", **JIT)
+def widen_into(block, count, destination, ahead):
+    """destination (an address: count bfloat16 numbers) <- the ``count`` float8 numbers of the
+    block at address ``block`` (a multiple of 16), the same lines of the block at ``ahead``
+    prefetched (0: none)."""
+    _widen_rows(block, count, destination, ahead, 0)
 
 
 @njit(inline="always", **JIT)

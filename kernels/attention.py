@@ -48,7 +48,8 @@ from numba import get_num_threads, njit, prange
 
 from pagekv.kernels import _warm, slots
 from pagekv.kernels._math import JIT
-from pagekv.kernels._tile_ir import PAIR_BYTES, PAIR_ORDER
+from pagekv.kernels._float8_rows import widen_into
+from pagekv.kernels._tile_ir import PAIR_BYTES, PAIR_ORDER, PAIRED, PAIRED_FLOAT8
 from pagekv.kernels._tile_rows import pack_pairs
 from pagekv.kernels.online_softmax import (dot_scratch, finish_row, softmax_to_bf16, softmax_update,
                                            start_decode_item, start_prefill_item, thread_scratch)
@@ -64,6 +65,11 @@ QUERY_BLOCK = 16
 # Measured on S1 (float32, page 16): 15.5 GB/s folding per page, 17.9 per 64 tokens, 19.1 per 128,
 # 19.5 per 256 (S3: 26.1 -> 35.2); page 128 folded per page had reached 23.7.
 CHUNK_TOKENS = 256
+# Prefill items over float8 pages with this many query rows turn a chunk's value blocks into
+# bfloat16 once (kernels/_float8_rows.py) rather than in each of their 8-row chunk tiles. AMD Zen 4,
+# processes alternating, new ÷ old time: S1 (64 rows) 0.88-0.92, G8 (128 rows) 0.88, S3 (32 rows,
+# widened as well) 1.02, so smaller items keep the tiles' own conversion.
+WIDEN_ROWS = 64
 
 
 @njit(inline="always", **JIT)
@@ -286,6 +292,10 @@ def _prefill_kernel(kind):
     12-15 s since; its speed was unchanged (10 process pairs, 8 shapes: 0.99-1.03x the time)."""
     fma = kind not in PAIR_BYTES
     pair_kind = kind == "bfloat16" and PAIR_ORDER
+    # float8 value blocks turned into bfloat16 once per chunk, for the bfloat16 chunk tile, where an
+    # item has WIDEN_ROWS query rows (each of its 8-row tiles turned every block itself).
+    widen_values = kind == PAIRED_FLOAT8
+    value_kind = PAIRED if widen_values else kind
 
     @njit(parallel=True, **JIT)
     def prefill(q, k_cache, v_cache, kv_format, block_table, seq_lens, qo_indptr, items, slot_indptr,
@@ -310,6 +320,7 @@ def _prefill_kernel(kind):
             q_bits, packed = dot_scratch(max_rows, chunk_pages * page_size, head_dim, dots)
             slopes = np.empty(max_rows if alibi_slopes.shape[0] > 0 else 0, np.float32)
             blocks, aheads = np.empty(chunk_pages, np.int64), np.empty(chunk_pages, np.int64)
+            widened = np.empty((chunk_pages if widen_values else 0, 1, page_size, head_dim), np.uint16)
             slot = slots.claim(next_slot)
             while slot < num_slots:
                 for item in range(slot_indptr[slot], slot_indptr[slot + 1]):
@@ -318,6 +329,7 @@ def _prefill_kernel(kind):
                     num_rows, low, high, page_begin, page_end = start_prefill_item(
                         q, qo_indptr, seq, seq_len, head, row_begin, row_end, group, page_size, window,
                         scale, dots, alibi_slopes, qs, q_bits, acc, m, l, qpos, slopes, pairs)
+                    widened_rows = widen_values and num_rows >= WIDEN_ROWS
                     for first in range(page_begin, page_end, chunk_pages):
                         last = min(first + chunk_pages, page_end)
                         key0 = first * page_size
@@ -350,7 +362,13 @@ def _prefill_kernel(kind):
                         for p in range(first, last):  # the tiles take the chunk's blocks at once
                             ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
                                                    page_end, chunk_pages, True, prefetch_blocks)
-                            if tiles:
+                            if tiles and widened_rows:
+                                widen_into(block_address(v_cache, block_table[seq, p], head),
+                                           min(page_size, seq_len - p * page_size) * head_dim,
+                                           block_address(widened, p - first, 0), ahead)
+                                blocks[p - first] = block_address(widened, p - first, 0)
+                                aheads[p - first] = 0
+                            elif tiles:
                                 blocks[p - first] = block_address(v_cache, block_table[seq, p], head)
                                 aheads[p - first] = ahead
                             else:
@@ -361,6 +379,9 @@ def _prefill_kernel(kind):
                         if tiles and fma:
                             PREFILL_CHUNK_VALUES(kind, scores, 0, num_rows, v_cache, blocks, aheads,
                                                  last - first, last_tokens, acc)
+                        elif tiles and widened_rows:
+                            PREFILL_CHUNK_VALUES(value_kind, packed, 0, num_rows, widened, blocks,
+                                                 aheads, last - first, last_tokens, acc)
                         elif tiles:
                             PREFILL_CHUNK_VALUES(kind, packed, 0, num_rows, v_cache, blocks, aheads,
                                                  last - first, last_tokens, acc)
