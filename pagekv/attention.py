@@ -175,6 +175,24 @@ def _scalar_options(head_dim, scale, sliding_window, logits_soft_cap, alibi_slop
     return np.float32(scale), window, np.float32(cap), slopes
 
 
+def _kv_scale(value, name) -> float:
+    """A per-tensor scale of a cache's numbers (the cache holds x / scale); None gives 1."""
+    if value is None:
+        return 1.0
+    scale = _real(value, name)
+    if not 0.0 < scale <= _FLOAT32_MAX:  # NaN fails too
+        raise ValueError(f"expected {name} None or a number > 0 within float32's range, got {value!r}")
+    return scale
+
+
+def _scaled_scores(scale, k_scale):
+    """The scores' factor for keys stored divided by k_scale (float32, checked finite)."""
+    scaled = float(scale) * k_scale
+    if not abs(scaled) <= _FLOAT32_MAX:
+        raise ValueError(f"expected scale * k_scale within float32's range, got {scaled}")
+    return np.float32(scaled)
+
+
 def _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages):
     table = _arrays.int_array(block_table, "block_table", 2)
     lens = _arrays.int_array(seq_lens, "seq_lens", 1)
@@ -326,7 +344,8 @@ def plan_decode(seq_lens, *, page_size, sliding_window=None, num_threads=None):
 # ---------------------------------------------------------------------------------------- attention
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, out=None,
                            sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-                           return_lse=False, plan=None, prefetch=True, fast_bf16=True):
+                           return_lse=False, plan=None, prefetch=True, fast_bf16=True, k_scale=None,
+                           v_scale=None):
     """Attention of one new query token per sequence over its paged KV cache.
 
     Parameters
@@ -351,6 +370,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
         Scores become ``cap * tanh(score / cap)`` (after scaling).
     alibi_slopes : float [num_q_heads], optional
         float32 or float64 (or a list); adds ``slope * (key_pos - query_pos)`` to each score.
+    k_scale, v_scale : float, optional
+        Per-tensor scales of a cache that holds keys / k_scale and values / v_scale, as
+        :func:`write_kv` stores them given the same scales (the convention of vLLM's and
+        FlashInfer's float8 caches, whose numbers reach only +-448): the scores take
+        ``scale * k_scale`` and the outputs are multiplied by v_scale in float32, before they are
+        rounded to q's dtype. None: 1.
     return_lse : bool
         Also return the log-sum-exp of each row's scores (natural log).
     plan : DecodePlan, optional
@@ -397,6 +422,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     """
     k, v, kind, q32, q_kind, (scale, window, cap, slopes) = _inputs(
         q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes)
+    scale, v_scale = _scaled_scores(scale, _kv_scale(k_scale, "k_scale")), _kv_scale(v_scale, "v_scale")
     num_pages, num_kv_heads, page_size, head_dim = k.shape
     num_seqs, num_q_heads = q32.shape[:2]
     table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
@@ -426,6 +452,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
                           _prefetch_blocks(prefetch, k), dot_products=dot_products)
     if len(plan.split_seqs):
         _attention.merge_parts(part_out, part_lse, plan.split_seqs, buffer, lse)
+    if v_scale != 1.0:
+        buffer *= np.float32(v_scale)
     if buffer is not storage:
         _from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result
@@ -433,7 +461,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
 
 def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indptr, *, scale=None,
                             out=None, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-                            return_lse=False, prefetch=True, fast_bf16=True):
+                            return_lse=False, prefetch=True, fast_bf16=True, k_scale=None,
+                            v_scale=None):
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Sequence ``s`` brings query rows ``q[qo_indptr[s]:qo_indptr[s+1]]``: its last ``q_len`` tokens,
@@ -450,7 +479,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
         Each ``>= qo_indptr[s+1] - qo_indptr[s]``.
     qo_indptr : int32 [num_seqs + 1]
         Nondecreasing, from 0 to ``num_tokens``.
-    scale, out, sliding_window, logits_soft_cap, alibi_slopes, return_lse, prefetch, fast_bf16
+    scale, out, sliding_window, logits_soft_cap, alibi_slopes, return_lse, prefetch
+        As in :func:`paged_decode_attention`.
+    fast_bf16, k_scale, v_scale
         As in :func:`paged_decode_attention`. On CPUs with AMX-BF16 (Intel Xeon since Sapphire
         Rapids, Linux), ``fast_bf16`` over a bfloat16 cache with head_dim a multiple of 32 and a
         page size that is a multiple of 16 multiplies by AMX tiles, rounding the same inputs
@@ -463,6 +494,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     """
     k, v, kind, q32, q_kind, (scale, window, cap, slopes) = _inputs(
         q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes)
+    scale, v_scale = _scaled_scores(scale, _kv_scale(k_scale, "k_scale")), _kv_scale(v_scale, "v_scale")
     num_pages, num_kv_heads, page_size, head_dim = k.shape
     num_tokens, num_q_heads = q32.shape[:2]
     indptr = _arrays.int_array(qo_indptr, "qo_indptr", 1)
@@ -497,13 +529,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
         _attention.prefill(q32, k, v, kv_format, table, lens, indptr, items, slot_indptr, scale,
                            window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0],
                            dot_products=dot_products)
+    if v_scale != 1.0:
+        buffer *= np.float32(v_scale)
     if buffer is not storage:
         _from_float32(buffer, q_kind, storage)
     return (result, lse) if return_lse else result
 
 
 # ---------------------------------------------------------------------------------------- cache ops
-def write_kv(k, v, k_cache, v_cache, slot_mapping):
+def write_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
     """Store new tokens' keys and values into their pages.
 
     Parameters
@@ -515,19 +549,27 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
         Written in place.
     slot_mapping : int [num_tokens]
         ``page * page_size + offset`` of each token; negative = skip (padding).
+    k_scale, v_scale : float, optional
+        Store k / k_scale and v / v_scale (divided in float32, then rounded): per-tensor scales
+        that bring a model's keys and values into a float8 cache's +-448; attention then takes the
+        same scales (:func:`paged_decode_attention`). None: 1.
     """
+    k_scale, v_scale = _kv_scale(k_scale, "k_scale"), _kv_scale(v_scale, "v_scale")
     kc, vc, kind = _caches(k_cache, v_cache, written=True)
     num_pages, num_kv_heads, page_size, head_dim = kc.shape
     slots = _arrays.int_array(slot_mapping, "slot_mapping", 1).astype(np.int64)
     new = []
-    for name, x in (("k", k), ("v", v)):
+    for name, x, factor in (("k", k, k_scale), ("v", v, v_scale)):
         array, x_kind = _arrays.float_storage(x, name, float8=True)
         if array.shape != (slots.shape[0], num_kv_heads, head_dim):
             raise ValueError(f"expected {name} of shape {(slots.shape[0], num_kv_heads, head_dim)}, "
                              f"got {array.shape}")
-        if x_kind != kind:
+        if x_kind != kind or factor != 1.0:
+            values = _to_float32(array, x_kind)
+            if factor != 1.0:
+                values = values / np.float32(factor)  # a new array: the caller's k stays as it is
             converted = np.empty(array.shape, kc.dtype)
-            _from_float32(_to_float32(array, x_kind), kind, converted)
+            _from_float32(values, kind, converted)
             array = converted
         new.append(array)
     if slots.size and slots.max() >= num_pages * page_size:

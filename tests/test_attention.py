@@ -263,6 +263,41 @@ def test_float8_pages_multiply_as_bfloat16_pages_of_the_same_numbers(page_size, 
         np.testing.assert_array_equal(float8_out, bfloat16_out)
 
 
+@pytest.mark.parametrize("kind, products", [("float8_e4m3fn", True), ("float8_e4m3fn", False),
+                                            ("bfloat16", True), ("float32", False)])
+def test_scales_multiply_the_stored_keys_and_values(kind, products):
+    """A cache holding k / k_scale and v / v_scale, read with those scales, is attention over k
+    and v: the scores take scale * k_scale, the outputs v_scale (before rounding to q's dtype);
+    the log-sum-exp is that of the true scores. Decode (split and whole) and prefill, with a
+    soft cap, on both products."""
+    rng = np.random.default_rng(4)
+    kv = PagedKV(rng, [1, 17, 97, 300], num_kv_heads=2, head_dim=64, page_size=16, kind=kind)
+    k_scale, v_scale = 3.0, 0.25
+    true_k, true_v = kv.k64 * k_scale, kv.v64 * v_scale
+    q = to_storage(rng.standard_normal((4, 8, 64)), "bfloat16")  # exact on every path
+    rows = to_storage(rng.standard_normal((40, 8, 64)), "bfloat16")
+    qo_indptr = np.array([0, 1, 10, 20, 40], np.int32)
+    options = dict(logits_soft_cap=30.0, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    tolerance = max(TOLERANCE["float32"], FAST_BF16_TOLERANCE if products and kind != "float32" else 0)
+    with bf16_products(products):
+        for threads in (1, 7):
+            plan = attention.plan_decode(kv.seq_lens, page_size=16, num_threads=threads)
+            out, lse = attention.paged_decode_attention(widen(q, "bfloat16").astype(np.float32), kv.k,
+                                                        kv.v, kv.block_table, kv.seq_lens, plan=plan,
+                                                        **options)
+            expected, expected_lse = reference.decode(widen(q, "bfloat16"), true_k, true_v,
+                                                      kv.block_table, kv.seq_lens, logits_soft_cap=30.0)
+            assert relative_error(out, expected) <= tolerance
+            np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+        out, lse = attention.paged_prefill_attention(widen(rows, "bfloat16").astype(np.float32), kv.k,
+                                                     kv.v, kv.block_table, kv.seq_lens, qo_indptr,
+                                                     **options)
+    expected, expected_lse = reference.prefill(widen(rows, "bfloat16"), true_k, true_v, kv.block_table,
+                                               kv.seq_lens, qo_indptr, logits_soft_cap=30.0)
+    assert relative_error(out, expected) <= tolerance
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("group", range(1, 17))
 def test_prefill_items_hold_the_rows_the_many_row_tiles_take(group):
     """A prefill item of a small GQA group takes more query tokens (MHA: 32), so that it has the

@@ -71,6 +71,10 @@ def test_seq_len_beyond_the_table(kv):
     (dict(out=np.zeros((2, 4, 128), np.float32)[..., ::2]), ValueError, "C-contiguous"),
     (dict(prefetch=-1), ValueError, "expected prefetch a bool or a number of bytes >= 0, got -1"),
     (dict(prefetch=2.5), ValueError, "expected prefetch a bool or a number of bytes >= 0, got 2.5"),
+    (dict(k_scale=0), ValueError, "expected k_scale None or a number > 0 within float32's range, got 0"),
+    (dict(v_scale=float("nan")), ValueError, "expected v_scale None or a number > 0 .* got nan"),
+    (dict(v_scale="1"), TypeError, "expected v_scale a real number, got '1'"),
+    (dict(scale=1e30, k_scale=1e10), ValueError, "expected scale \\* k_scale within float32's range"),
 ])
 def test_bad_arguments(kv, changes, error, message):
     with pytest.raises(error, match=message):

@@ -147,3 +147,41 @@ def test_write_kv_into_float8_saturates_and_lands_alike_in_every_caller_type():
     attention.write_kv(torch.from_numpy(k), torch.from_numpy(v), k_t, v_t, [0])
     np.testing.assert_array_equal(k_t.view(torch.uint8).numpy(), k_bits)
     np.testing.assert_array_equal(v_t.view(torch.uint8).numpy(), v_bits)
+
+
+@pytest.mark.parametrize("kind", ["float8_e4m3fn", "bfloat16", "float32"])
+def test_write_kv_with_scales_stores_the_values_divided_by_them(kind):
+    """k / k_scale and v / v_scale, divided in float32 and then rounded: with a scale of 4, keys
+    up to 1,792 fit a float8 cache's +-448 instead of saturating."""
+    k_cache, v_cache = caches(kind)
+    rng = np.random.default_rng(9)
+    k = (rng.standard_normal((3, 2, 80)) * 1000).astype(np.float32)
+    v = rng.standard_normal((3, 2, 80)).astype(np.float32)
+    slots = np.array([5, 40, -1])
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    reference.write_kv(to_storage(k / np.float32(4.0), kind), to_storage(v / np.float32(0.5), kind),
+                       expected_k, expected_v, slots)
+    attention.write_kv(k, v, k_cache, v_cache, slots, k_scale=4.0, v_scale=0.5)
+    np.testing.assert_array_equal(k_cache, expected_k)
+    np.testing.assert_array_equal(v_cache, expected_v)
+    assert np.abs(widen(k_cache[0, :, 5], kind)).max() > 100  # k / 4, not clipped at 448 / 4
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad, error, message", [
+    (0.0, ValueError, "None or a number > 0 within float32's range, got 0.0"),
+    (-2.0, ValueError, "got -2.0"),
+    (float("nan"), ValueError, "got nan"),
+    (float("inf"), ValueError, "got inf"),
+    (1e39, ValueError, "got 1e[+]?39"),
+    ("2", TypeError, "a real number, got '2'"),
+    (True, TypeError, "a real number, got True"),
+])
+def test_bad_scales_are_refused_and_nothing_is_written(name, bad, error, message):
+    k_cache, v_cache = caches("float8_e4m3fn")
+    before = k_cache.copy(), v_cache.copy()
+    new = np.ones((1, 2, 80), np.float32)
+    with pytest.raises(error, match=f"expected {name} .*" + message):
+        attention.write_kv(new, new, k_cache, v_cache, [3], **{name: bad})
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
