@@ -184,9 +184,10 @@ def test_decode_float8(benchmark, shape):
         fma = pagekv_decode(p, fast_bf16=False)
         fma()
         fma_seconds, default_seconds = paired_times(fma, run, PAIRED_ROUNDS, before_each=evict_llc)
-        benchmark.extra_info.update(share_of_roof=share, paired_roof_gbs=roof_gbs,
-                                    time_over_bfloat16=float(np.median(float8_seconds / bfloat16_seconds)),
-                                    fma_over_default=float(np.median(fma_seconds / default_seconds)))
+        benchmark.extra_info.update(
+            share_of_roof=share, paired_roof_gbs=roof_gbs,
+            time_over_bfloat16=float(np.median(float8_seconds / bfloat16_seconds)),
+            fma_over_default=float(np.median(fma_seconds / default_seconds)))
     _time_decode(benchmark, run)
 
 

@@ -48,7 +48,8 @@ def _widen_rows(typingctx, source, count, destination, pf_base, again_base):
             offset = builder.shl(loop.index, ir.Constant(I64, 6))
             prefetch_each(builder, blocks, offset)
             row = builder.add(src, offset)
-            words = e4m3_words(builder, [row, builder.add(row, ir.Constant(I64, PAIRS))], PAIRS, natural)
+            halves = [row, builder.add(row, ir.Constant(I64, PAIRS))]
+            words = e4m3_words(builder, halves, PAIRS, natural)
             for half, vector in enumerate(words):
                 address = builder.add(dst, builder.add(builder.shl(offset, ir.Constant(I64, 1)),
                                                        ir.Constant(I64, half * CACHE_LINE)))

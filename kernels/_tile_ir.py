@@ -8,7 +8,7 @@ query head of its GQA group). AVX512-BF16's ``vdpbf16ps`` multiplies 32 bfloat16
 float32 sums per instruction, twice the products of a float32 FMA with no widening instructions; on
 other CPUs, float32 FMAs on rows widened as they are loaded. Each tile comes in one *storage*:
 ``PAIRED`` (bfloat16 rows by vdpbf16ps), ``PAIRED_FLOAT8`` (float8_e4m3fn rows turned into
-bfloat16 as they are loaded, by vdpbf16ps: :func:`pair_words`), or float32, float16, bfloat16 or
+bfloat16 as they are loaded, by vdpbf16ps: :func:`e4m3_words`), or float32, float16, bfloat16 or
 float8_e4m3fn rows by FMAs (ELEMENT_BYTES).
 
 Rows are taken 32 elements (one 512-bit register) at a time, and a last 16 zero-extended when
@@ -347,9 +347,9 @@ def _e4m3_bf16_bytes(builder, bytes_):
 
     With AVX512-VBMI each is one vpermi2b, a lookup of the byte's low 7 bits in a 128-byte table,
     and the sign is or-ed into the high bytes (vpternlog): 3 instructions per 64 numbers, where
-    the arithmetic way (shifts, an exponent add, a table for subnormals, a NaN test) took ~10
-    per 32. Elsewhere (the tests' portable form) through float32 (:func:`e4m3_to_f32`), whose
-    top 16 bits are the bfloat16."""
+    the arithmetic way (shifts, an exponent add, a table for subnormals, a NaN test; not built)
+    would take ~10 per 32. Elsewhere (the tests' portable form) through float32
+    (:func:`e4m3_to_f32`), whose top 16 bits are the bfloat16."""
     if HAS_AVX512_VBMI:
         permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I8X64, [I8X64] * 3),
                                                  "llvm.x86.avx512.vpermi2var.qi.512")
@@ -390,8 +390,8 @@ def e4m3_words(builder, rows, width, picks):
         word_bytes = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 64), mask))
         vector = builder.bitcast(word_bytes, I16X32)
         if None in pick:
-            vector = builder.select(ir.Constant(ir.VectorType(ir.IntType(1), PAIRS), [p is not None for p in pick]),
-                                    vector, ir.Constant(I16X32, [0] * PAIRS))
+            kept = ir.Constant(ir.VectorType(ir.IntType(1), PAIRS), [p is not None for p in pick])
+            vector = builder.select(kept, vector, ir.Constant(I16X32, [0] * PAIRS))
         words.append(vector)
     return words
 

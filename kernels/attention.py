@@ -139,7 +139,7 @@ def _decode_kernel(kind):
     float32 cache never needs the bfloat16 kernel. Memory-bound speed was unchanged (S1/S2/S3,
     paired rounds: 0.99-1.02x the time).
     """
-    fma = kind not in PAIR_BYTES  # FMA tiles: the queries are scaled float32, the probabilities float32
+    fma = kind not in PAIR_BYTES  # FMA tiles: queries scaled float32, probabilities float32
     pair_kind = kind == "bfloat16" and PAIR_ORDER  # the tiles' rows in pair order (AVX2)
 
     @njit(parallel=True, **JIT)
@@ -246,8 +246,8 @@ def decode(q, k_cache, v_cache, kv_format, block_table, seq_lens, items, slot_in
     alibi_slopes : float32 [num_q_heads] or empty. prefetch_blocks : (int, int), how many head
     blocks ahead of the one being read (in the item's visit order, see :func:`_block_ahead`) to
     prefetch, far and again nearer (kernels/prefetch.py; 0: none). dot_products : bool, whether
-    bfloat16 and float8 pages may take the vdpbf16ps tiles (query and probabilities rounded to bfloat16;
-    kernels/_tile_ir.py), when the shape allows.
+    bfloat16 and float8 pages may take the vdpbf16ps tiles (query and probabilities rounded to
+    bfloat16; kernels/_tile_ir.py), when the shape allows.
     """
     kind = kernel_kind(k_cache, kv_format, dot_products)
     _warm.announce_compile(_DECODE[kind], kind, "decode")

@@ -214,11 +214,12 @@ def test_prefetch_targets_follow_the_visit_order(num_heads, page_end, chunk_page
 def test_prefill_many_row_tiles_match_reference(page_size, head_dim, group, kind, products):
     """Prefill with 32 or more query rows per item scores each whole 16 of a page's keys by the
     key-lane tiles (kernels/_key_lanes.py; AVX-512 only, elsewhere other tiles pass it), of every
-    kind: vdpbf16ps (bfloat16 and float8 pages), and the FMA tiles of each storage; with vdpbf16ps each 8 rows take a chunk's
-    value blocks in one tile (EIGHT_ROWS_CHUNK). Page sizes that are and are not multiples of 16
-    (18: 16 keys by them, 2 by the others), pages ending mid-way, items of 32-128 rows, some in
-    tiles of 16 rows and a rest (13 tokens x group 3, 4 or 8), MHA's items of 32 tokens, and
-    items under 32 rows, with the masking options."""
+    kind: vdpbf16ps (bfloat16 and float8 pages), and the FMA tiles of each storage; with
+    vdpbf16ps each 8 rows take a chunk's value blocks in one tile (EIGHT_ROWS_CHUNK; float8
+    items of 64 rows or more over blocks turned into bfloat16 once). Page sizes that are and are
+    not multiples of 16 (18: 16 keys by them, 2 by the others), pages ending mid-way, items of
+    32-128 rows, some in tiles of 16 rows and a rest (13 tokens x group 3, 4 or 8), MHA's items
+    of 32 tokens, and items under 32 rows, with the masking options."""
     rng = np.random.default_rng(page_size)
     kv = PagedKV(rng, [40, 97, 300], num_kv_heads=2, head_dim=head_dim, page_size=page_size, kind=kind)
     qo_indptr = np.array([0, 16, 61, 191], np.int32)  # 45 tokens: 16, 16, then 13 x group rows
@@ -256,9 +257,9 @@ def test_float8_pages_multiply_as_bfloat16_pages_of_the_same_numbers(page_size, 
     outs = []
     with bf16_products(True):
         for k, v in ((kv.k, kv.v), (k_bf16, v_bf16)):
-            outs.append((attention.paged_decode_attention(q, k, v, kv.block_table, kv.seq_lens, plan=plan),
-                         attention.paged_prefill_attention(rows, k, v, kv.block_table, kv.seq_lens,
-                                                           qo_indptr)))
+            decode = attention.paged_decode_attention(q, k, v, kv.block_table, kv.seq_lens, plan=plan)
+            outs.append((decode, attention.paged_prefill_attention(rows, k, v, kv.block_table,
+                                                                   kv.seq_lens, qo_indptr)))
     for float8_out, bfloat16_out in zip(*outs):
         np.testing.assert_array_equal(float8_out, bfloat16_out)
 

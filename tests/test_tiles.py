@@ -328,7 +328,8 @@ def _e4m3_words_harness(width, picks):
     @intrinsic
     def words_of(typingctx, source, destination):
         def codegen(context, builder, signature, args):
-            rows = [builder.add(args[0], ir.Constant(tile_ir.I64, i * width)) for i in range(64 // width)]
+            rows = [builder.add(args[0], ir.Constant(tile_ir.I64, i * width))
+                    for i in range(64 // width)]
             for i, words in enumerate(tile_ir.e4m3_words(builder, rows, width, picks)):
                 address = builder.add(args[1], ir.Constant(tile_ir.I64, 64 * i))
                 builder.store(words, builder.inttoptr(address, words.type.as_pointer()), align=1)
@@ -497,7 +498,8 @@ def test_kernel_kind_takes_the_paired_tiles_only_where_they_apply(kind, page_siz
     from pagekv import _arrays
     from pagekv.kernels.page_loops import kernel_kind
 
-    cache = np.zeros((1, 1, page_size, head_dim), {"float32": np.float32, "float8_e4m3fn": np.uint8}.get(kind, np.uint16))
+    storage = {"float32": np.float32, "float8_e4m3fn": np.uint8}.get(kind, np.uint16)
+    cache = np.zeros((1, 1, page_size, head_dim), storage)
     assert kernel_kind(cache, _arrays.KV_FORMAT[kind], products) == expected
 
 
