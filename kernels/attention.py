@@ -363,11 +363,11 @@ def _prefill_kernel(kind):
                             ahead = _prefill_ahead(k_cache, v_cache, block_table, seq, p, head, first, last,
                                                    page_end, chunk_pages, True, prefetch_blocks)
                             if tiles and widened_rows:
-                                widen_into(block_address(v_cache, block_table[seq, p], head),
-                                           min(page_size, seq_len - p * page_size) * head_dim,
-                                           block_address(widened, p - first, 0), ahead)
                                 blocks[p - first] = block_address(widened, p - first, 0)
                                 aheads[p - first] = 0
+                                widen_into(block_address(v_cache, block_table[seq, p], head),
+                                           min(page_size, seq_len - p * page_size) * head_dim,
+                                           blocks[p - first], ahead)
                             elif tiles:
                                 blocks[p - first] = block_address(v_cache, block_table[seq, p], head)
                                 aheads[p - first] = ahead
