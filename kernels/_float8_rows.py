@@ -38,7 +38,7 @@ def _stack_scratch(typingctx):
 def _widen_rows(typingctx, source, count, destination, pf_base, again_base):
     """destination (count bfloat16 numbers, 2 bytes each) <- the count float8 numbers at source,
     count a multiple of 16; each 64 bytes of source prefetch the same line of the blocks at pf_base
-    and again_base (0: none)."""
+    and again_base (0: the source's own line, read anyway: no branch, as or_current says)."""
     def codegen(context, builder, signature, args):
         src, n, dst, pf, again = [context.cast(builder, value, ty, types.int64)
                                   for value, ty in zip(args, signature.args)]
@@ -75,7 +75,7 @@ def _widen_rows(typingctx, source, count, destination, pf_base, again_base):
 def widen_into(block, count, destination, ahead):
     """destination (an address: count bfloat16 numbers) <- the ``count`` float8 numbers of the
     block at address ``block`` (a multiple of 16), the same lines of the block at ``ahead``
-    prefetched (0: none)."""
+    prefetched (0: the block's own)."""
     _widen_rows(block, count, destination, ahead, 0)
 
 
@@ -83,7 +83,7 @@ def widen_into(block, count, destination, ahead):
 def widen_block(block, count, ahead, again):
     """The address of a stack buffer holding the ``count`` float8 numbers of the block at address
     ``block`` as bfloat16 (count * 2 <= SCRATCH_BYTES, a multiple of 16), the same lines of the
-    blocks at ``ahead`` and ``again`` prefetched (0: none)."""
+    blocks at ``ahead`` and ``again`` prefetched (0: the block's own)."""
     scratch = _stack_scratch()
     _widen_rows(block, count, scratch, ahead, again)
     return scratch

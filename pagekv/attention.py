@@ -224,13 +224,25 @@ def _query(q, name, num_kv_heads, head_dim):
     return np.ascontiguousarray(_to_float32(array, kind), dtype=np.float32), kind
 
 
-def _inputs(q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes):
-    """Checked caches, float32 queries and scalar options shared by decode and prefill."""
+def _inputs(q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes, k_scale,
+            v_scale):
+    """Checked caches, float32 queries and scalar options shared by decode and prefill: (scores'
+    scale with k_scale in it, window, soft cap, ALiBi slopes, v_scale)."""
     k, v, kind = _caches(k_cache, v_cache)
     q32, q_kind = _query(q, "q", k.shape[1], k.shape[3])
-    options = _scalar_options(k.shape[3], scale, sliding_window, logits_soft_cap, alibi_slopes,
-                              q32.shape[1])
+    scale, window, cap, slopes = _scalar_options(k.shape[3], scale, sliding_window, logits_soft_cap,
+                                                 alibi_slopes, q32.shape[1])
+    options = (_scaled_scores(scale, _kv_scale(k_scale, "k_scale")), window, cap, slopes,
+               _kv_scale(v_scale, "v_scale"))
     return k, v, kind, q32, q_kind, options
+
+
+def _finish(buffer, v_scale, q_kind, storage):
+    """The kernel's float32 output times v_scale, into the caller's storage (rounded to q's dtype)."""
+    if v_scale != 1.0:
+        buffer *= np.float32(v_scale)
+    if buffer is not storage:
+        _from_float32(buffer, q_kind, storage)
 
 
 def _prefetch_blocks(prefetch, cache) -> tuple[int, int]:
@@ -420,9 +432,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
     >>> out.shape
     (1, 2, 64)
     """
-    k, v, kind, q32, q_kind, (scale, window, cap, slopes) = _inputs(
-        q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes)
-    scale, v_scale = _scaled_scores(scale, _kv_scale(k_scale, "k_scale")), _kv_scale(v_scale, "v_scale")
+    k, v, kind, q32, q_kind, (scale, window, cap, slopes, v_scale) = _inputs(
+        q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes, k_scale, v_scale)
     num_pages, num_kv_heads, page_size, head_dim = k.shape
     num_seqs, num_q_heads = q32.shape[:2]
     table, lens = _page_tables(block_table, seq_lens, num_seqs, page_size, num_pages)
@@ -452,10 +463,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
                           _prefetch_blocks(prefetch, k), dot_products=dot_products)
     if len(plan.split_seqs):
         _attention.merge_parts(part_out, part_lse, plan.split_seqs, buffer, lse)
-    if v_scale != 1.0:
-        buffer *= np.float32(v_scale)
-    if buffer is not storage:
-        _from_float32(buffer, q_kind, storage)
+    _finish(buffer, v_scale, q_kind, storage)
     return (result, lse) if return_lse else result
 
 
@@ -492,9 +500,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
     out : [num_tokens, num_q_heads, head_dim], q's dtype
     lse : float32 [num_tokens, num_q_heads], only with ``return_lse``
     """
-    k, v, kind, q32, q_kind, (scale, window, cap, slopes) = _inputs(
-        q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes)
-    scale, v_scale = _scaled_scores(scale, _kv_scale(k_scale, "k_scale")), _kv_scale(v_scale, "v_scale")
+    k, v, kind, q32, q_kind, (scale, window, cap, slopes, v_scale) = _inputs(
+        q, k_cache, v_cache, scale, sliding_window, logits_soft_cap, alibi_slopes, k_scale, v_scale)
     num_pages, num_kv_heads, page_size, head_dim = k.shape
     num_tokens, num_q_heads = q32.shape[:2]
     indptr = _arrays.int_array(qo_indptr, "qo_indptr", 1)
@@ -529,10 +536,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, qo_indpt
         _attention.prefill(q32, k, v, kv_format, table, lens, indptr, items, slot_indptr, scale,
                            window, cap, slopes, buffer, lse, _prefetch_blocks(prefetch, k)[0],
                            dot_products=dot_products)
-    if v_scale != 1.0:
-        buffer *= np.float32(v_scale)
-    if buffer is not storage:
-        _from_float32(buffer, q_kind, storage)
+    _finish(buffer, v_scale, q_kind, storage)
     return (result, lse) if return_lse else result
 
 
